@@ -1,0 +1,44 @@
+"""KV cache whose rows advance independently.
+
+Speculative decoding commits a different number of tokens per row each step, so the cache
+keeps one committed length per row instead of one shared position. `forward` writes the
+K/V of new tokens at `lengths[b] + i` without advancing; the caller commits with
+`advance`, which is how a rejected draft suffix is discarded for free.
+"""
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from tlt_jax.models.config import ModelConfig
+
+# Logical axes of the cache tensors, for sharding rules.
+CACHE_AXES = ("layers", "batch", "length", "act_kv_heads", "head_dim")
+
+
+@flax.struct.dataclass
+class KVCache:
+  k: jax.Array        # [layers, batch, max_len, kv_heads, head_dim]
+  v: jax.Array
+  lengths: jax.Array  # [batch] int32: committed tokens per row
+
+  @property
+  def max_len(self) -> int:
+    return self.k.shape[2]
+
+  @property
+  def batch_size(self) -> int:
+    return self.k.shape[1]
+
+  def advance(self, num_tokens: jax.Array) -> "KVCache":
+    return self.replace(lengths=self.lengths + num_tokens.astype(jnp.int32))
+
+
+def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=jnp.float32,
+               sharding=None) -> KVCache:
+  shape = (config.num_layers, batch_size, max_len, config.num_kv_heads, config.head_dim)
+  # Two separate buffers: the cache is donated, and one buffer cannot be donated twice.
+  return KVCache(k=jnp.zeros(shape, dtype, device=sharding),
+                 v=jnp.zeros(shape, dtype, device=sharding),
+                 lengths=jnp.zeros((batch_size,), jnp.int32))

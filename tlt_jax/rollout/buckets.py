@@ -1,0 +1,34 @@
+"""Static-shape buckets: every jitted program is keyed by a batch bucket and a cache page.
+
+A finite, known set of shapes means a finite, known set of compiled programs (the JAX
+analogue of a CUDA-graph pool), and no recompiles once they are warm.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from tlt_jax.errors import UserInputError
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketSpec:
+  batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+  cache_page: int = 128       # cache lengths are multiples of this
+  prompt_page: int = 32       # padded prompt lengths are multiples of this
+
+  def batch_bucket(self, rows: int) -> int:
+    for size in self.batch_buckets:
+      if size >= rows:
+        return size
+    raise UserInputError(
+        f"batch of {rows} rows exceeds the largest batch bucket {self.batch_buckets[-1]}")
+
+  def cache_length(self, tokens: int) -> int:
+    return round_up(tokens, self.cache_page)
+
+  def prompt_length(self, tokens: int) -> int:
+    return round_up(tokens, self.prompt_page)
+
+
+def round_up(n: int, multiple: int) -> int:
+  return max(multiple, -(-n // multiple) * multiple)

@@ -1,0 +1,34 @@
+"""Device meshes: one per role (trainer, each rollout replica), as disjoint device slices.
+
+Axis types are always passed explicitly: `jax.make_mesh` defaults differ across jax 0.10
+and 0.11, and the code relies on automatic (GSPMD) propagation inside jitted functions.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from tlt_jax.errors import UserInputError
+
+MESH_AXES = ("fsdp", "tp")
+
+
+def make_mesh(fsdp: int, tp: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A (fsdp, tp) mesh over `devices` (default: all devices of this process group)."""
+  devices = list(jax.devices() if devices is None else devices)
+  if fsdp < 1 or tp < 1 or fsdp * tp != len(devices):
+    raise UserInputError(
+        f"mesh: fsdp={fsdp} x tp={tp} must equal the number of devices ({len(devices)})")
+  return jax.make_mesh((fsdp, tp), MESH_AXES, axis_types=(AxisType.Auto,) * 2, devices=devices)
+
+
+def split_devices(devices: Sequence[jax.Device], sizes: Sequence[int]) -> list[list[jax.Device]]:
+  """Cuts `devices` into consecutive disjoint slices (e.g. trainer + rollout replicas)."""
+  devices = list(devices)
+  if sum(sizes) > len(devices) or min(sizes, default=1) < 1:
+    raise UserInputError(f"mesh: slices {list(sizes)} do not fit in {len(devices)} devices")
+  bounds = np.cumsum([0, *sizes])
+  return [devices[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
