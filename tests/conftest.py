@@ -1,0 +1,18 @@
+"""Shared pytest fixtures."""
+import pytest
+
+from tests.hf_fixtures import TINY_KINDS, make_tiny_hf_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dirs(tmp_path_factory) -> dict[str, str]:
+  """kind -> dir of a tiny random HF checkpoint, one per TINY_KINDS, built once."""
+  root = tmp_path_factory.mktemp("tiny_hf")
+  return {kind: make_tiny_hf_checkpoint(kind, str(root / kind)) for kind in TINY_KINDS}
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_sharded_dir(tmp_path_factory) -> str:
+  """A tiny Llama checkpoint split over several safetensors files with an index."""
+  return make_tiny_hf_checkpoint("llama", str(tmp_path_factory.mktemp("tiny_hf") / "sharded"),
+                                 shard=True)

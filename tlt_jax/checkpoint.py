@@ -1,0 +1,100 @@
+"""Model checkpoints: HF config.json + orbax params/ + the tokenizer files, in one dir.
+
+The dir reads like a HF model dir for everything but the weights (ModelConfig and
+AutoTokenizer load it directly), while the orbax params restore straight into any
+sharding and dtype without a pass through safetensors.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any, Sequence
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+
+from tlt_jax.errors import UserInputError
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.hf import atomic_output_dir, param_shapes
+
+CONFIG = "config.json"
+PARAMS = "params"
+# Files a HF model dir may carry besides weights that a trained checkpoint should keep.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
+                   "chat_template.jinja", "chat_template.json", "generation_config.json")
+
+
+def find_tokenizer_files(model_dir: str) -> list[str]:
+  """Paths of the TOKENIZER_FILES present in `model_dir`."""
+  return [os.path.join(model_dir, f) for f in TOKENIZER_FILES
+          if os.path.isfile(os.path.join(model_dir, f))]
+
+
+def is_model_checkpoint(path: str) -> bool:
+  return (os.path.isfile(os.path.join(path, CONFIG))
+          and os.path.isdir(os.path.join(path, PARAMS)))
+
+
+def save_model_checkpoint(out_dir: str, params: dict[str, Any], config: ModelConfig,
+                          tokenizer_files: Sequence[str] = (), overwrite: bool = False) -> None:
+  """Writes `out_dir` atomically: it appears only once every piece is on disk."""
+  with atomic_output_dir(out_dir, overwrite) as tmp:
+    for path in tokenizer_files:
+      if not os.path.isfile(path):
+        raise UserInputError(f"{path}: tokenizer file not found")
+      shutil.copy2(path, tmp)
+    with open(os.path.join(tmp, CONFIG), "w") as f:
+      json.dump(config.to_hf_dict(), f, indent=2)
+    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
+      checkpointer.save(epath.Path(tmp) / PARAMS, args=ocp.args.StandardSave(params))
+
+
+def load_model_checkpoint(ckpt_dir: str, dtype=None, shardings: Any = None
+                          ) -> tuple[ModelConfig, dict[str, Any]]:
+  """Restores (config, params); `dtype` casts on read (default: as saved).
+
+  Without `shardings` every leaf lands on the first device.
+  """
+  config = ModelConfig.from_hf_dir(ckpt_dir)
+  params_dir = epath.Path(ckpt_dir) / PARAMS
+  if not params_dir.is_dir():
+    raise UserInputError(f"{params_dir}: missing params directory")
+  handler = ocp.StandardCheckpointHandler()
+  try:
+    stored = handler.metadata(params_dir).tree
+  except (OSError, ValueError) as e:
+    raise UserInputError(f"{params_dir}: unreadable orbax checkpoint ({_first_line(e)})") \
+        from None
+  _check_shapes(stored, param_shapes(config), params_dir)
+  if shardings is None:
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = jax.tree.map(lambda _: device, stored)
+  target = jax.tree.map(
+      lambda m, s: jax.ShapeDtypeStruct(m.shape, dtype or m.dtype, sharding=s), stored, shardings)
+  try:
+    with ocp.Checkpointer(handler) as checkpointer:
+      params = checkpointer.restore(params_dir, args=ocp.args.StandardRestore(target))
+  except (OSError, ValueError) as e:
+    raise UserInputError(f"{params_dir}: cannot restore params ({_first_line(e)})") from None
+  return config, params
+
+
+def _check_shapes(stored: Any, expected: dict[str, Any], params_dir: epath.Path) -> None:
+  is_shape = lambda x: isinstance(x, tuple)
+  flat = lambda tree: {jax.tree_util.keystr(k): v for k, v in
+                       jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_shape)[0]}
+  got = flat(jax.tree.map(lambda m: tuple(m.shape), stored))
+  want = flat(expected)
+  for key in sorted(got.keys() | want.keys()):
+    if got.get(key) != want.get(key):
+      raise UserInputError(
+          f"{params_dir}: params do not match {CONFIG}: {key} is stored as "
+          f"{got.get(key, 'absent')}, {CONFIG} implies {want.get(key, 'absent')}")
+
+
+def _first_line(e: Exception) -> str:
+  """tensorstore errors run to pages of JSON spec; the cause is in the first sentence."""
+  return str(e).split("\n")[0].split(" [tensorstore_spec")[0][:300]
