@@ -85,7 +85,8 @@ def _layer(config: ModelConfig, inv_freq: np.ndarray, rules: MeshRules | None,
   b, t, _ = x.shape
   kh, d = config.num_kv_heads, config.head_dim
   groups = config.num_heads // kh
-  h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
+  # The EAGLE drafter's layer has no input norm: its input is already a projection.
+  h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps) if "attn_norm" in layer else x
   q, k, v = h @ layer["wq"], h @ layer["wk"], h @ layer["wv"]
   if config.qkv_bias:
     q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
@@ -118,22 +119,26 @@ def _layer(config: ModelConfig, inv_freq: np.ndarray, rules: MeshRules | None,
   return constrain(x, ("batch", None, "act_embed"), rules), k_cache, v_cache
 
 
-def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
-            cache: KVCache, new_mask: jax.Array | None = None,
-            rules: MeshRules | None = None) -> tuple[jax.Array, KVCache]:
-  """Runs `tokens` [B, T] at `positions` [B, T] against `cache`.
+def run_layers(layers: Params, config: ModelConfig, x: jax.Array, positions: jax.Array,
+               cache: KVCache, new_mask: jax.Array | None = None,
+               rules: MeshRules | None = None,
+               cache_mask: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+  """Runs a stack of decoder layers on embeddings x [B, T, E]; the cache has one entry per
+  layer. Shared by the target model and the one-layer drafter.
 
-  new_mask [B, T, T] (default causal) says which new tokens each new token sees. Returns
-  the final post-norm hidden states [B, T, E] and the cache with the new K/V written at
-  `cache.lengths + arange(T)`; lengths are NOT advanced (see `KVCache.advance`).
+  cache_mask [B, T, max_len], when given, replaces the prefix + new_mask visibility: a
+  drafter growing a tree over several calls must see uncommitted ancestors from earlier
+  calls but not their siblings.
   """
-  b, t = tokens.shape
-  if new_mask is None:
-    new_mask = causal_mask(b, t)
+  b, t, _ = x.shape
+  if cache_mask is not None:
+    mask = cache_mask
+  else:
+    new_mask = causal_mask(b, t) if new_mask is None else new_mask
+    mask = _attention_mask(cache.lengths, new_mask, cache.max_len)
   inv_freq = inverse_frequencies(config.rope, config.head_dim)
-  mask = _attention_mask(cache.lengths, new_mask, cache.max_len)
   write_idx = cache.lengths[:, None] + jnp.arange(t)[None, :]
-  x = constrain(embed_tokens(params, tokens), ("batch", None, "act_embed"), rules)
+  num_layers = jax.tree.leaves(layers)[0].shape[0]
 
   def body(carry, scanned):
     x, k_cache, v_cache = carry
@@ -143,6 +148,19 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
     return (x, k_cache, v_cache), None
 
   (x, k_cache, v_cache), _ = jax.lax.scan(
-      body, (x, cache.k, cache.v), (params["layers"], jnp.arange(config.num_layers)))
-  hidden = rms_norm(x, params["final_norm"], config.rms_norm_eps)
-  return hidden, cache.replace(k=k_cache, v=v_cache)
+      body, (x, cache.k, cache.v), (layers, jnp.arange(num_layers)))
+  return x, cache.replace(k=k_cache, v=v_cache)
+
+
+def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
+            cache: KVCache, new_mask: jax.Array | None = None,
+            rules: MeshRules | None = None) -> tuple[jax.Array, KVCache]:
+  """Runs `tokens` [B, T] at `positions` [B, T] against `cache`.
+
+  new_mask [B, T, T] (default causal) says which new tokens each new token sees. Returns
+  the final post-norm hidden states [B, T, E] and the cache with the new K/V written at
+  `cache.lengths + arange(T)`; lengths are NOT advanced (see `KVCache.advance`).
+  """
+  x = constrain(embed_tokens(params, tokens), ("batch", None, "act_embed"), rules)
+  x, cache = run_layers(params["layers"], config, x, positions, cache, new_mask, rules)
+  return rms_norm(x, params["final_norm"], config.rms_norm_eps), cache

@@ -1,0 +1,68 @@
+"""EAGLE-style drafter: fc(concat(embed(x_{t+1}), h_t)) -> one decoder layer -> target head.
+
+The embedding and LM head are the target's, frozen and passed in at call time (never
+copied into drafter params), so a policy update reaches the drafter for free. The layer
+has no input norm (its input is already a learned projection) and there is no final norm:
+the drafter predicts the target's post-norm hidden state h_{t+1} directly.
+
+Slot convention: drafter slot j consumes (h_j, x_{j+1}) at rope position j and predicts
+h_{j+1}, whose logits propose x_{j+2}. A drafter cache of length n holds slots 0..n-1.
+
+An optional reduced draft vocabulary (the target's most frequent tokens) cuts the cost of
+the head on small targets; tokens outside it are never drafted, and verification against
+the full target distribution keeps decoding exact.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from tlt_jax.models import transformer
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.kv_cache import KVCache, init_cache
+
+DrafterParams = dict  # {"fc": [2E, E], "fc_bias": [E], "layers": one stacked layer, no attn_norm}
+
+
+def init_drafter_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> DrafterParams:
+  fc_key, layer_key = jax.random.split(key)
+  e = config.hidden_size
+  layers = transformer.init_params(drafter_layer_config(config), layer_key, dtype)["layers"]
+  del layers["attn_norm"]
+  fc = (jax.random.normal(fc_key, (2 * e, e)) * (2 * e) ** -0.5).astype(dtype)
+  return {"fc": fc, "fc_bias": jnp.zeros((e,), dtype), "layers": layers}
+
+
+def drafter_layer_config(config: ModelConfig) -> ModelConfig:
+  """The target config seen by the drafter's single layer (no q/k norm, no qkv bias)."""
+  return dataclasses.replace(config, num_layers=1, qkv_bias=False, qk_norm=False)
+
+
+def init_drafter_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=jnp.float32,
+                       sharding=None) -> KVCache:
+  return init_cache(drafter_layer_config(config), batch_size, max_len, dtype, sharding)
+
+
+def drafter_forward(drafter: DrafterParams, target: transformer.Params, config: ModelConfig,
+                    tokens: jax.Array, hidden: jax.Array, positions: jax.Array, cache: KVCache,
+                    new_mask: jax.Array | None = None,
+                    cache_mask: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+  """tokens [B, T] (x_{j+1}) and hidden [B, T, E] (h_j) -> predicted h_{j+1} [B, T, E]."""
+  embedded = transformer.embed_tokens(target, tokens).astype(drafter["fc"].dtype)
+  x = jnp.concatenate([embedded, hidden.astype(embedded.dtype)], axis=-1) @ drafter["fc"]
+  x = x + drafter["fc_bias"]
+  return transformer.run_layers(drafter["layers"], drafter_layer_config(config), x, positions,
+                                cache, new_mask, None, cache_mask)
+
+
+def draft_head(target: transformer.Params, config: ModelConfig,
+               vocab_ids: jax.Array | None) -> jax.Array:
+  """[E, Vd] LM head restricted to the draft vocabulary (the full head when None)."""
+  head = target["embed"].T if config.tie_word_embeddings else target["lm_head"]
+  return head if vocab_ids is None else jnp.take(head, vocab_ids, axis=1)
+
+
+def draft_logits(head: jax.Array, hidden: jax.Array) -> jax.Array:
+  return jnp.einsum("...e,ev->...v", hidden, head, preferred_element_type=jnp.float32)
