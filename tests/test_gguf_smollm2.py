@@ -2,12 +2,14 @@
 
 transformers dequantizes with the same `gguf` code and undoes the q/k permutation itself,
 so equal tensors prove our dequantization, permutation and [in, out] layout without
-running a forward pass.
+running a forward pass. `load_model` is covered here for every kind of spec.
 """
 import json
 import os
+import shutil
 
 import gguf
+import jax
 import numpy as np
 import pytest
 import torch
@@ -153,3 +155,31 @@ def test_errors_name_the_input(tmp_path):
     load_gguf(other)
   with pytest.raises(UserInputError, match="no-such-model"):
     load_model("no-such-model")
+
+
+def test_load_model_hf_dir_and_checkpoint(tiny_hf_dirs, tmp_path):
+  from tlt_jax.checkpoint import find_tokenizer_files, save_model_checkpoint
+  hf_dir = tiny_hf_dirs["llama"]
+  from_hf = load_model(hf_dir)
+  assert from_hf.tokenizer is not None and from_hf.tokenizer.decode(
+      from_hf.tokenizer.encode("abc")) == "abc"
+  assert 2 in from_hf.tokenizer.eos_token_ids
+
+  ckpt = str(tmp_path / "ckpt")
+  save_model_checkpoint(ckpt, from_hf.params, from_hf.config, find_tokenizer_files(hf_dir))
+  replicated = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  from_ckpt = load_model(ckpt, shardings_fn=lambda config: jax.tree.map(
+      lambda _: replicated, from_hf.params))
+  assert from_ckpt.config == from_hf.config
+  jax.tree.map(np.testing.assert_array_equal, from_ckpt.params, from_hf.params)
+  assert from_ckpt.tokenizer.encode("a b\n") == from_hf.tokenizer.encode("a b\n")
+
+  bare = tmp_path / "bare"
+  bare.mkdir()
+  for name in os.listdir(hf_dir):
+    if name == "config.json" or name.endswith(".safetensors"):
+      shutil.copy(os.path.join(hf_dir, name), bare)
+  no_tokenizer = load_model(str(bare))
+  assert no_tokenizer.tokenizer is None
+  with pytest.raises(UserInputError, match="bare.*no tokenizer"):
+    no_tokenizer.require_tokenizer()
