@@ -1,0 +1,1 @@
+"""Hand-written kernels, each beside the plain-jnp reference it must match."""
