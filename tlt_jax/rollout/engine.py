@@ -1,40 +1,48 @@
-"""Batched generation: a jitted prefill, then jitted decode chunks until every row is done.
+"""Rollout engine: bucketed batch generation with long-tail compaction and adaptive SD.
 
-Prompts of different lengths are right-padded; each cache row keeps its own committed
-length, so rows never wait on each other's padding. The decode loop runs `chunk_steps`
-tokens per dispatch inside one `lax.while_loop` (exits early once all rows are done), and
-the state is donated so the cache is updated in place.
+The host loop runs jitted chunks of decode steps and, between chunks, (1) compacts the
+live rows into the next smaller batch bucket once they fit, so the long tail runs at its
+true size rather than padded to the starting batch, and (2) switches speculative decoding
+on once at most `sd_threshold` rows have stayed live for `sd_patience` steps. Every
+program is keyed by (batch bucket, cache length, strategy): the set is finite, and
+`compiled_programs()` reports how many exist.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import Sequence
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from tlt_jax.errors import UserInputError
 from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.drafter import DrafterParams, init_drafter_cache
 from tlt_jax.models.kv_cache import KVCache, init_cache
-from tlt_jax.models.transformer import Params, forward, lm_logits
+from tlt_jax.models.transformer import Params
+from tlt_jax.rollout import decode, speculative
 from tlt_jax.rollout.buckets import BucketSpec
-from tlt_jax.rollout.sampling import SamplingParams, policy_logprobs, sample
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.strategy import SpecStrategy
 from tlt_jax.sharding.rules import MeshRules
 
 
-@flax.struct.dataclass
-class DecodeState:
-  cache: KVCache
-  last_tokens: jax.Array     # [B] int32: last emitted token, the next step's input
-  num_generated: jax.Array   # [B] int32
-  done: jax.Array            # [B] bool
-  out_tokens: jax.Array      # [B, max_new_tokens] int32
-  out_logprobs: jax.Array    # [B, max_new_tokens] float32
-  key: jax.Array
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+  """Speculative decoding for the tail: on below `threshold` live rows for `patience` steps."""
+  drafter: DrafterParams
+  strategy: SpecStrategy
+  vocab_ids: jax.Array | None = None   # reduced draft vocabulary (sorted target ids)
+  threshold: int = 32
+  patience: int = 10
+
+  def __post_init__(self):
+    if self.threshold < 1:
+      raise UserInputError(f"--sd_threshold={self.threshold}: must be >= 1")
+    if self.patience < 0:
+      raise UserInputError(f"--sd_patience={self.patience}: must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,80 +58,25 @@ class GenerationResult:
   stats: dict
 
 
-def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
-  if not eos_ids:
-    return jnp.zeros(tokens.shape, bool)
-  return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
+@jax.jit
+def take_rows(state, rows: jax.Array):
+  """Gathers batch rows of a decode/spec state (compaction); the RNG key is shared."""
+  def take(x):
+    if isinstance(x, KVCache):
+      return x.replace(k=x.k[:, rows], v=x.v[:, rows], lengths=x.lengths[rows])
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+      return x
+    return x[rows]
+  return jax.tree.map(take, state, is_leaf=lambda x: isinstance(x, KVCache))
 
 
-def _emit(state: DecodeState, tokens, logprobs, live, eos_ids, max_new_tokens) -> DecodeState:
-  """Appends one token to every live row and updates done flags."""
-  rows = jnp.arange(tokens.shape[0])
-  slot = jnp.where(live, state.num_generated, max_new_tokens)  # out of range -> dropped
-  num_generated = state.num_generated + live
-  done = state.done | (live & (_is_eos(tokens, eos_ids) | (num_generated >= max_new_tokens)))
-  return state.replace(
-      last_tokens=jnp.where(live, tokens, state.last_tokens),
-      num_generated=num_generated,
-      done=done,
-      out_tokens=state.out_tokens.at[rows, slot].set(tokens, mode="drop"),
-      out_logprobs=state.out_logprobs.at[rows, slot].set(logprobs, mode="drop"))
+_PROGRAMS = (decode.prefill, decode.decode_chunk, speculative.start_speculation,
+             speculative.spec_chunk, take_rows)
 
 
-def _sample_and_score(key, logits, sampling):
-  tokens = sample(key, logits, sampling)
-  logprobs = jnp.take_along_axis(policy_logprobs(logits, sampling), tokens[:, None], axis=-1)
-  return tokens, logprobs[:, 0]
-
-
-@functools.partial(jax.jit, static_argnames=("config", "sampling", "eos_ids", "max_new_tokens",
-                                             "rules"), donate_argnames=("cache",))
-def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, live: jax.Array,
-            cache: KVCache, key: jax.Array, *, config: ModelConfig, sampling: SamplingParams,
-            eos_ids: tuple[int, ...], max_new_tokens: int,
-            rules: MeshRules | None = None) -> DecodeState:
-  """Runs right-padded prompts [B, T] (true lengths [B]) and emits the first token."""
-  b, t = tokens.shape
-  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  hidden, cache = forward(params, config, tokens, positions, cache, None, rules)
-  last_hidden = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
-  key, sub = jax.random.split(key)
-  first, first_logprob = _sample_and_score(sub, lm_logits(params, config, last_hidden, rules),
-                                           sampling)
-  state = DecodeState(
-      cache=cache.replace(lengths=lengths.astype(jnp.int32)),
-      last_tokens=first,
-      num_generated=jnp.zeros((b,), jnp.int32),
-      done=~live,
-      out_tokens=jnp.zeros((b, max_new_tokens), jnp.int32),
-      out_logprobs=jnp.zeros((b, max_new_tokens), jnp.float32),
-      key=key)
-  return _emit(state, first, first_logprob, live, eos_ids, max_new_tokens)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "sampling", "eos_ids", "max_new_tokens",
-                                             "chunk_steps", "rules"), donate_argnames=("state",))
-def decode_chunk(params: Params, state: DecodeState, *, config: ModelConfig,
-                 sampling: SamplingParams, eos_ids: tuple[int, ...], max_new_tokens: int,
-                 chunk_steps: int, rules: MeshRules | None = None) -> DecodeState:
-  """Up to `chunk_steps` single-token decode steps; stops early when all rows are done."""
-
-  def step(carry):
-    i, s = carry
-    hidden, cache = forward(params, config, s.last_tokens[:, None], s.cache.lengths[:, None],
-                            s.cache, None, rules)
-    key, sub = jax.random.split(s.key)
-    tokens, logprobs = _sample_and_score(sub, lm_logits(params, config, hidden[:, 0], rules),
-                                         sampling)
-    live = ~s.done
-    s = s.replace(cache=cache.advance(live), key=key)  # the input token is now committed
-    return i + 1, _emit(s, tokens, logprobs, live, eos_ids, max_new_tokens)
-
-  def cond(carry):
-    i, s = carry
-    return (i < chunk_steps) & ~jnp.all(s.done)
-
-  return jax.lax.while_loop(cond, step, (jnp.int32(0), state))[1]
+def compiled_programs() -> int:
+  """Programs compiled so far by the engine's jitted entry points (process-wide)."""
+  return sum(fn._cache_size() for fn in _PROGRAMS)
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], batch_size: int,
@@ -139,12 +92,24 @@ def pad_prompts(prompts: Sequence[Sequence[int]], batch_size: int,
   return tokens, lengths, live
 
 
-def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int]], *,
-             max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
-             eos_ids: Sequence[int] = (), seed: int = 0, buckets: BucketSpec = BucketSpec(),
-             chunk_steps: int = 16, rules: MeshRules | None = None,
-             cache_dtype=None) -> GenerationResult:
-  """Generates up to `max_new_tokens` tokens for each prompt (lists of token ids)."""
+class _Harvest:
+  """Host-side outputs, filled as rows leave the device state (compaction or the end)."""
+
+  def __init__(self, num_prompts: int):
+    self.tokens: list = [None] * num_prompts
+    self.logprobs: list = [None] * num_prompts
+
+  def take(self, base: decode.DecodeState, row_ids: np.ndarray, which: np.ndarray) -> None:
+    counts = np.asarray(base.num_generated)
+    out_tokens, out_logprobs = np.asarray(base.out_tokens), np.asarray(base.out_logprobs)
+    for row in np.flatnonzero(which):
+      prompt = row_ids[row]
+      if prompt >= 0 and self.tokens[prompt] is None:
+        self.tokens[prompt] = out_tokens[row, :counts[row]].tolist()
+        self.logprobs[prompt] = out_logprobs[row, :counts[row]].tolist()
+
+
+def _validate(prompts, max_new_tokens, config):
   if not prompts or any(len(p) == 0 for p in prompts):
     raise UserInputError("prompts: need at least one prompt, and every prompt non-empty")
   if max_new_tokens < 1:
@@ -154,43 +119,93 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
     raise UserInputError(
         f"prompt length {longest} + max_new_tokens {max_new_tokens} exceeds the model's "
         f"max_position_embeddings {config.max_position_embeddings}")
+  return longest
+
+
+def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int]], *,
+             max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+             eos_ids: Sequence[int] = (), seed: int = 0, buckets: BucketSpec = BucketSpec(),
+             chunk_steps: int = 16, rules: MeshRules | None = None,
+             spec: SpecConfig | None = None, compact: bool = True) -> GenerationResult:
+  """Generates up to `max_new_tokens` tokens for each prompt (lists of token ids)."""
+  longest = _validate(prompts, max_new_tokens, config)
   batch = buckets.batch_bucket(len(prompts))
   prompt_len = buckets.prompt_length(longest)
-  cache_len = buckets.cache_length(max(prompt_len, longest + max_new_tokens))
+  margin = speculative.cache_margin(spec.strategy) if spec else 0
+  cache_len = buckets.cache_length(max(prompt_len, longest + max_new_tokens + margin))
   tokens, lengths, live = pad_prompts(prompts, batch, prompt_len)
   eos = tuple(sorted(set(int(e) for e in eos_ids)))
-  static = dict(config=config, sampling=sampling, eos_ids=eos, max_new_tokens=max_new_tokens,
-                rules=rules)
-  cache_dtype = cache_dtype or params["embed"].dtype
-  cache = init_cache(config, batch, cache_len, cache_dtype)
+  static = dict(config=config, sampling=sampling, eos_ids=eos, max_new_tokens=max_new_tokens)
+  dtype = params["embed"].dtype
+  programs_before = compiled_programs()
 
   start = time.perf_counter()
-  state = prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(live), cache,
-                  jax.random.key(seed), **static)
-  state.done.block_until_ready()
-  prefill_s = time.perf_counter() - start
-  live_trace = [(0.0, int(live.sum()))]
+  state = decode.prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(live),
+                         init_cache(config, batch, cache_len, dtype), jax.random.key(seed),
+                         keep_hidden=spec is not None, rules=rules, **static)
+  row_ids = np.where(live, np.arange(batch), -1)
+  harvest = _Harvest(len(prompts))
+  trace, spec_on_at, steps_below, last_generated = [], None, 0, 0
+  plain_steps = spec_steps = 0
+  batch_buckets_used = [batch]
   while True:
-    done = np.asarray(state.done)
-    live_trace.append((time.perf_counter() - start, int((~done).sum())))
-    if done.all():
+    base = state.base if isinstance(state, speculative.SpecState) else state
+    done = np.asarray(base.done)
+    live_rows = int((~done).sum())
+    generated = int(np.asarray(base.num_generated).sum())
+    trace.append((round(time.perf_counter() - start, 4), live_rows))
+    if live_rows == 0:
+      harvest.take(base, row_ids, np.ones_like(done))
       break
-    state = decode_chunk(params, state, chunk_steps=chunk_steps, **static)
+    if compact and buckets.batch_bucket(live_rows) < done.shape[0]:
+      harvest.take(base, row_ids, done)
+      keep = np.flatnonzero(~done)
+      filler = np.flatnonzero(done)[0]            # a finished row: stays finished
+      rows = np.concatenate([keep, np.full(buckets.batch_bucket(live_rows) - len(keep), filler)])
+      state = take_rows(state, jnp.asarray(rows, jnp.int32))
+      row_ids = np.where(np.arange(len(rows)) < len(keep), row_ids[rows], -1)
+      batch_buckets_used.append(len(rows))
+    if spec is not None and spec_on_at is None:
+      if live_rows <= spec.threshold:
+        steps_below += (generated - last_generated) // live_rows
+      else:
+        steps_below = 0
+      if live_rows <= spec.threshold and steps_below >= spec.patience:
+        spec_on_at = time.perf_counter() - start
+        state = speculative.start_speculation(
+            params, spec.drafter, state,
+            init_drafter_cache(config, state.done.shape[0], cache_len, dtype),
+            config=config, strategy=spec.strategy)
+    last_generated = generated
+    if isinstance(state, speculative.SpecState):
+      state = speculative.spec_chunk(params, spec.drafter, spec.vocab_ids, state,
+                                     strategy=spec.strategy, chunk_steps=chunk_steps, **static)
+      spec_steps += 1
+    else:
+      state = decode.decode_chunk(params, state, chunk_steps=chunk_steps, rules=rules, **static)
+      plain_steps += 1
   total_s = time.perf_counter() - start
 
-  out_tokens, out_logprobs = np.asarray(state.out_tokens), np.asarray(state.out_logprobs)
-  counts = np.asarray(state.num_generated)
   outputs = []
-  for i in range(len(prompts)):
-    ids = out_tokens[i, :counts[i]].tolist()
+  for ids, logprobs in zip(harvest.tokens, harvest.logprobs):
     reason = "eos" if ids and ids[-1] in eos else "length"
-    outputs.append(GenerationOutput(ids, out_logprobs[i, :counts[i]].tolist(), reason))
-  generated = int(counts[:len(prompts)].sum())
+    outputs.append(GenerationOutput(ids, logprobs, reason))
+  generated = sum(len(o.token_ids) for o in outputs)
   stats = {
       "batch_bucket": batch, "prompt_length_bucket": prompt_len, "cache_length": cache_len,
-      "generated_tokens": generated, "prefill_s": prefill_s, "total_s": total_s,
-      "decode_s": total_s - prefill_s,
+      "generated_tokens": generated, "total_s": total_s,
       "tokens_per_s": generated / total_s if total_s > 0 else 0.0,
-      "rollout/live_rows": live_trace,
+      "rollout/live_rows": trace,
+      "rollout/batch_buckets": batch_buckets_used,
+      "compile/programs": compiled_programs(),
+      "compile/new_programs": compiled_programs() - programs_before,
+      "decode_chunks/plain": plain_steps, "decode_chunks/spec": spec_steps,
   }
+  if isinstance(state, speculative.SpecState):
+    verify_steps = int(np.asarray(state.spec_steps).sum())
+    spec_tokens = int(np.asarray(state.spec_tokens).sum())
+    stats.update({"spec/strategy": spec.strategy.name, "spec/verify_steps": verify_steps,
+                  "spec/accept_len": spec_tokens / verify_steps if verify_steps else 0.0,
+                  "spec/enabled_frac": spec_tokens / generated if generated else 0.0,
+                  "spec/on_at_s": spec_on_at})
   return GenerationResult(outputs, stats)

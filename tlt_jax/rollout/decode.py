@@ -1,0 +1,126 @@
+"""Plain decoding programs: a jitted prefill and jitted multi-step decode chunks.
+
+Prompts of different lengths are right-padded; each cache row keeps its own committed
+length, so rows never wait on each other's padding. A decode chunk runs up to
+`chunk_steps` tokens per dispatch inside one `lax.while_loop` (exits early once all rows
+are done), and the state is donated so the cache is updated in place.
+"""
+from __future__ import annotations
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.kv_cache import KVCache
+from tlt_jax.models.transformer import Params, forward, lm_logits
+from tlt_jax.rollout.sampling import SamplingParams, policy_logprobs, sample
+from tlt_jax.sharding.rules import MeshRules
+
+
+@flax.struct.dataclass
+class DecodeState:
+  cache: KVCache
+  last_tokens: jax.Array     # [B] int32: last emitted token, the next step's input
+  num_generated: jax.Array   # [B] int32
+  done: jax.Array            # [B] bool
+  out_tokens: jax.Array      # [B, max_new_tokens] int32
+  out_logprobs: jax.Array    # [B, max_new_tokens] float32
+  key: jax.Array
+  # Optional per-position record of committed tokens [B, S] and target hidden states
+  # [B, S, E]: what a drafter prefill (SD switched on mid-run) and drafter training need.
+  history: jax.Array | None = None
+  hidden_buf: jax.Array | None = None
+
+  def record(self, positions: jax.Array, tokens: jax.Array, hidden: jax.Array) -> "DecodeState":
+    """Stores tokens [B, T] and their hidden states [B, T, E] at positions [B, T]."""
+    if self.history is None:
+      return self
+    rows = jnp.arange(tokens.shape[0])[:, None]
+    return self.replace(
+        history=self.history.at[rows, positions].set(tokens, mode="drop"),
+        hidden_buf=self.hidden_buf.at[rows, positions].set(
+            hidden.astype(self.hidden_buf.dtype), mode="drop"))
+
+
+def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+  if not eos_ids:
+    return jnp.zeros(tokens.shape, bool)
+  return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
+
+
+def emit(state: DecodeState, tokens, logprobs, live, eos_ids, max_new_tokens) -> DecodeState:
+  """Appends one token to every live row and updates done flags."""
+  rows = jnp.arange(tokens.shape[0])
+  slot = jnp.where(live, state.num_generated, max_new_tokens)  # out of range -> dropped
+  num_generated = state.num_generated + live
+  done = state.done | (live & (_is_eos(tokens, eos_ids) | (num_generated >= max_new_tokens)))
+  return state.replace(
+      last_tokens=jnp.where(live, tokens, state.last_tokens),
+      num_generated=num_generated,
+      done=done,
+      out_tokens=state.out_tokens.at[rows, slot].set(tokens, mode="drop"),
+      out_logprobs=state.out_logprobs.at[rows, slot].set(logprobs, mode="drop"))
+
+
+def sample_and_score(key, logits, sampling):
+  tokens = sample(key, logits, sampling)
+  logprobs = jnp.take_along_axis(policy_logprobs(logits, sampling), tokens[:, None], axis=-1)
+  return tokens, logprobs[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("config", "sampling", "eos_ids", "max_new_tokens",
+                                             "keep_hidden", "rules"), donate_argnames=("cache",))
+def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, live: jax.Array,
+            cache: KVCache, key: jax.Array, *, config: ModelConfig, sampling: SamplingParams,
+            eos_ids: tuple[int, ...], max_new_tokens: int, keep_hidden: bool = False,
+            rules: MeshRules | None = None) -> DecodeState:
+  """Runs right-padded prompts [B, T] (true lengths [B]) and emits the first token."""
+  b, t = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  hidden, cache = forward(params, config, tokens, positions, cache, None, rules)
+  last_hidden = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+  key, sub = jax.random.split(key)
+  first, first_logprob = sample_and_score(sub, lm_logits(params, config, last_hidden, rules),
+                                           sampling)
+  state = DecodeState(
+      cache=cache.replace(lengths=lengths.astype(jnp.int32)),
+      last_tokens=first,
+      num_generated=jnp.zeros((b,), jnp.int32),
+      done=~live,
+      out_tokens=jnp.zeros((b, max_new_tokens), jnp.int32),
+      out_logprobs=jnp.zeros((b, max_new_tokens), jnp.float32),
+      key=key,
+      history=jnp.zeros((b, cache.max_len), jnp.int32) if keep_hidden else None,
+      hidden_buf=(jnp.zeros((b, cache.max_len, config.hidden_size), hidden.dtype)
+                  if keep_hidden else None))
+  state = state.record(positions, tokens, hidden)
+  return emit(state, first, first_logprob, live, eos_ids, max_new_tokens)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "sampling", "eos_ids", "max_new_tokens",
+                                             "chunk_steps", "rules"), donate_argnames=("state",))
+def decode_chunk(params: Params, state: DecodeState, *, config: ModelConfig,
+                 sampling: SamplingParams, eos_ids: tuple[int, ...], max_new_tokens: int,
+                 chunk_steps: int, rules: MeshRules | None = None) -> DecodeState:
+  """Up to `chunk_steps` single-token decode steps; stops early when all rows are done."""
+
+  def step(carry):
+    i, s = carry
+    hidden, cache = forward(params, config, s.last_tokens[:, None], s.cache.lengths[:, None],
+                            s.cache, None, rules)
+    key, sub = jax.random.split(s.key)
+    tokens, logprobs = sample_and_score(sub, lm_logits(params, config, hidden[:, 0], rules),
+                                         sampling)
+    live = ~s.done
+    s = s.record(s.cache.lengths[:, None], s.last_tokens[:, None], hidden)
+    s = s.replace(cache=cache.advance(live), key=key)  # the input token is now committed
+    return i + 1, emit(s, tokens, logprobs, live, eos_ids, max_new_tokens)
+
+  def cond(carry):
+    i, s = carry
+    return (i < chunk_steps) & ~jnp.all(s.done)
+
+  return jax.lax.while_loop(cond, step, (jnp.int32(0), state))[1]

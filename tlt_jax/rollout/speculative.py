@@ -1,0 +1,227 @@
+"""Lossless speculative decoding: EAGLE drafter tree + one target verify pass per step.
+
+Acceptance uses the target-only tree rule: at every verified node the target draws its own
+choice from the processed distribution p (argmax when greedy), and a drafted child is
+accepted iff its token equals its parent's choice. That is exactly "sample x ~ p, then walk
+into the child that drafted x", so each emitted token is distributed as plain decoding
+would draw it (bit-identical for greedy), whatever the drafter proposes. The bonus token
+is the choice at the deepest accepted node.
+
+State between steps (per row): the target cache holds committed tokens; the pending token
+x_L (emitted, not yet run) is `base.last_tokens`; the drafter cache holds slots 0..L-2 and
+the pairs it still has to consume are `pend_*` (the accepted path with its true target
+hidden states), so the drafter always conditions on real target features.
+"""
+from __future__ import annotations
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.drafter import DrafterParams, draft_head, draft_logits, drafter_forward
+from tlt_jax.models.kv_cache import KVCache
+from tlt_jax.models.transformer import Params, forward, lm_logits
+from tlt_jax.rollout.decode import DecodeState, emit
+from tlt_jax.rollout.sampling import SamplingParams, policy_logprobs, sample
+from tlt_jax.rollout.strategy import SpecStrategy
+
+# Ranks a node just below an equal-scoring ancestor, so a top-n selection is ancestor-closed.
+_DEPTH_TIEBREAK = 1e-3
+
+
+@flax.struct.dataclass
+class SpecState:
+  base: DecodeState
+  draft_cache: KVCache
+  pend_tokens: jax.Array     # [B, depth + 1]
+  pend_hidden: jax.Array     # [B, depth + 1, E]
+  pend_count: jax.Array      # [B]
+  spec_steps: jax.Array      # [B] verify steps taken while live
+  spec_tokens: jax.Array     # [B] tokens emitted by those steps
+
+
+def cache_margin(strategy: SpecStrategy) -> int:
+  """Slots past the committed length that one step may write (target and drafter)."""
+  return max(strategy.verify_tokens, strategy.num_nodes + strategy.depth + 1)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "strategy"),
+                   donate_argnames=("base", "draft_cache"))
+def start_speculation(params: Params, drafter: DrafterParams, base: DecodeState,
+                      draft_cache: KVCache, *, config: ModelConfig,
+                      strategy: SpecStrategy) -> SpecState:
+  """Drafter prefill over each row's existing context (slots 0..L-2), leaving the pair
+  (h_{L-1}, x_L) pending."""
+  lengths = base.cache.lengths
+  b, s = base.history.shape
+  tokens = jnp.concatenate([base.history[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
+  positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+  _, draft_cache = drafter_forward(drafter, params, config, tokens, base.hidden_buf, positions,
+                                   draft_cache.replace(lengths=jnp.zeros_like(lengths)))
+  rows = jnp.arange(b)
+  pend_tokens = jnp.zeros((b, strategy.depth + 1), jnp.int32).at[:, 0].set(base.last_tokens)
+  pend_hidden = jnp.zeros((b, strategy.depth + 1, config.hidden_size), base.hidden_buf.dtype)
+  pend_hidden = pend_hidden.at[:, 0].set(base.hidden_buf[rows, lengths - 1])
+  zeros = jnp.zeros((b,), jnp.int32)
+  return SpecState(base=base, draft_cache=draft_cache.replace(lengths=lengths - 1),
+                   pend_tokens=pend_tokens, pend_hidden=pend_hidden,
+                   pend_count=jnp.ones((b,), jnp.int32), spec_steps=zeros, spec_tokens=zeros)
+
+
+def _grow_tree(params, drafter, head, vocab_ids, config, strategy, state: SpecState):
+  """Drafts `depth` levels of `topk` nodes. Node n sits at level n // topk (depth+1)."""
+  depth, k = strategy.depth, strategy.topk
+  b = state.pend_tokens.shape[0]
+  n_nodes = strategy.num_nodes
+  to_token = (lambda ix: ix) if vocab_ids is None else (lambda ix: jnp.take(vocab_ids, ix))
+
+  # Catch up on the accepted pairs; the last one predicts the first level.
+  cache = state.draft_cache
+  positions = cache.lengths[:, None] + jnp.arange(depth + 1)[None, :]
+  hidden, cache = drafter_forward(drafter, params, config, state.pend_tokens, state.pend_hidden,
+                                  positions, cache)
+  cache = cache.advance(state.pend_count)
+  committed = cache.lengths
+  rows = jnp.arange(b)
+  root_hidden = hidden[rows, state.pend_count - 1]
+  scores, ix = jax.lax.top_k(jax.nn.log_softmax(draft_logits(head, root_hidden), axis=-1), k)
+  level_tokens, level_parents = to_token(ix), jnp.full((b, k), -1, jnp.int32)
+  level_hidden = jnp.broadcast_to(root_hidden[:, None], (b, k, root_hidden.shape[-1]))
+  node_tokens, node_parents, node_scores = [level_tokens], [level_parents], [scores]
+  ancestors = jnp.broadcast_to(jnp.eye(n_nodes, dtype=bool), (b, n_nodes, n_nodes))
+
+  rel = jnp.arange(cache.max_len)[None, :] - committed[:, None]         # [B, S]
+  in_tree = (rel >= 0) & (rel < n_nodes)
+  for level in range(1, depth):
+    frontier = (level - 1) * k + jnp.arange(k)
+    seen = jnp.take_along_axis(ancestors[:, frontier], jnp.clip(rel, 0, n_nodes - 1)[:, None],
+                               axis=-1)
+    cache_mask = (rel < 0)[:, None] | (in_tree[:, None] & seen)
+    level_positions = jnp.broadcast_to(committed[:, None] - 1 + level, (b, k))
+    out, cache = drafter_forward(drafter, params, config, level_tokens, level_hidden,
+                                 level_positions,
+                                 cache.replace(lengths=committed + (level - 1) * k),
+                                 cache_mask=cache_mask)
+    child_scores, child_ix = jax.lax.top_k(
+        jax.nn.log_softmax(draft_logits(head, out), axis=-1), k)       # [B, k, k]
+    scores, best = jax.lax.top_k((scores[:, :, None] + child_scores).reshape(b, k * k), k)
+    parent_local = best // k
+    level_tokens = to_token(jnp.take_along_axis(child_ix.reshape(b, k * k), best, axis=1))
+    level_parents = frontier[parent_local]
+    level_hidden = jnp.take_along_axis(out, parent_local[:, :, None], axis=1)
+    new_nodes = level * k + jnp.arange(k)
+    parent_rows = jnp.take_along_axis(ancestors, level_parents[:, :, None], axis=1)
+    ancestors = ancestors.at[:, new_nodes].set(parent_rows | ancestors[:, new_nodes])
+    node_tokens.append(level_tokens)
+    node_parents.append(level_parents)
+    node_scores.append(scores)
+  cache = cache.replace(lengths=committed)
+  return (state.replace(draft_cache=cache), jnp.concatenate(node_tokens, 1),
+          jnp.concatenate(node_parents, 1), jnp.concatenate(node_scores, 1), ancestors)
+
+
+def _select_verify_set(strategy, node_tokens, node_parents, node_scores, ancestors,
+                       root_tokens):
+  """Best `verify_tokens - 1` nodes plus the root, ordered so parents precede children."""
+  k, n_sel = strategy.topk, strategy.verify_tokens - 1
+  node_depth = jnp.arange(strategy.num_nodes) // k + 1
+  _, sel = jax.lax.top_k(node_scores - _DEPTH_TIEBREAK * node_depth, n_sel)
+  sel = jnp.sort(sel, axis=1)                                         # [B, n_sel]
+  tokens = jnp.concatenate([root_tokens[:, None],
+                            jnp.take_along_axis(node_tokens, sel, axis=1)], axis=1)
+  depth = jnp.concatenate([jnp.zeros_like(sel[:, :1]), node_depth[sel]], axis=1)
+  sel_parent = jnp.take_along_axis(node_parents, sel, axis=1)
+  # Verify index of each parent: 0 for the root, else 1 + its rank in `sel`.
+  parent_rank = jnp.argmax(sel[:, None, :] == sel_parent[:, :, None], axis=-1) + 1
+  parents = jnp.concatenate([jnp.zeros_like(sel[:, :1]),
+                             jnp.where(sel_parent < 0, 0, parent_rank)], axis=1)
+  sub = jnp.take_along_axis(jnp.take_along_axis(ancestors, sel[:, :, None], axis=1),
+                            sel[:, None, :], axis=2)                  # [B, n_sel, n_sel]
+  b = sel.shape[0]
+  mask = jnp.zeros((b, n_sel + 1, n_sel + 1), bool).at[:, :, 0].set(True)
+  mask = mask.at[:, 1:, 1:].set(sub)
+  return tokens, depth, parents, mask
+
+
+def spec_step(params: Params, drafter: DrafterParams, head: jax.Array,
+              vocab_ids: jax.Array | None, state: SpecState, *, config: ModelConfig,
+              strategy: SpecStrategy, sampling: SamplingParams, eos_ids: tuple[int, ...],
+              max_new_tokens: int) -> SpecState:
+  """Draft a tree, verify it in one target pass, commit the accepted path plus a bonus."""
+  base = state.base
+  b, depth = base.last_tokens.shape[0], strategy.depth
+  rows = jnp.arange(b)
+  live = ~base.done
+  state, node_tokens, node_parents, node_scores, ancestors = _grow_tree(
+      params, drafter, head, vocab_ids, config, strategy, state)
+  tokens, node_depth, parents, mask = _select_verify_set(
+      strategy, node_tokens, node_parents, node_scores, ancestors, base.last_tokens)
+
+  committed = base.cache.lengths
+  hidden, cache = forward(params, config, tokens, committed[:, None] + node_depth, base.cache,
+                          mask)
+  logits = lm_logits(params, config, hidden)                           # [B, V, vocab]
+  key, sub = jax.random.split(base.key)
+  choice = sample(sub, logits, sampling)                               # [B, V]
+
+  matches = tokens == jnp.take_along_axis(choice, parents, axis=1)
+  accepted = jnp.zeros_like(matches).at[:, 0].set(True)
+  for _ in range(depth):
+    accepted = accepted.at[:, 1:].set((jnp.take_along_axis(accepted, parents, axis=1)
+                                       & matches)[:, 1:])
+  num_accepted = jnp.max(jnp.where(accepted, node_depth, 0), axis=1)  # drafted tokens kept
+  on_level = accepted[:, None, :] & (node_depth[:, None, :] == jnp.arange(depth + 1)[None, :, None])
+  path = jnp.argmax(on_level, axis=-1)                                 # [B, depth + 1]
+  in_path = jnp.arange(depth + 1)[None, :] <= num_accepted[:, None]
+
+  # Move the path's K/V from verify order into consecutive cache slots.
+  dst = committed[:, None] + jnp.arange(depth + 1)[None, :]
+  src = committed[:, None] + jnp.where(in_path, path, jnp.arange(depth + 1)[None, :])
+  cache = cache.replace(k=cache.k.at[:, rows[:, None], dst].set(cache.k[:, rows[:, None], src]),
+                        v=cache.v.at[:, rows[:, None], dst].set(cache.v[:, rows[:, None], src]))
+
+  path_tokens = jnp.take_along_axis(tokens, path, axis=1)
+  path_hidden = jnp.take_along_axis(hidden, path[:, :, None], axis=1)
+  emitted = jnp.take_along_axis(choice, path, axis=1)                  # y_1..y_n, bonus
+  emitted_logprobs = jnp.take_along_axis(
+      jnp.take_along_axis(policy_logprobs(logits, sampling), path[:, :, None], axis=1),
+      emitted[:, :, None], axis=2)[..., 0]
+
+  base = base.replace(key=key).record(jnp.where(in_path, dst, cache.max_len), path_tokens,
+                                      path_hidden)
+  base = base.replace(cache=cache.advance(jnp.where(live, num_accepted + 1, 0)))
+  generated_before = base.num_generated
+  for j in range(depth + 1):
+    base = emit(base, emitted[:, j], emitted_logprobs[:, j], ~base.done & in_path[:, j] & live,
+                eos_ids, max_new_tokens)
+  return state.replace(
+      base=base, pend_tokens=emitted, pend_hidden=path_hidden,
+      pend_count=num_accepted + 1,
+      spec_steps=state.spec_steps + live,
+      spec_tokens=state.spec_tokens + (base.num_generated - generated_before))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "strategy", "sampling", "eos_ids",
+                                             "max_new_tokens", "chunk_steps"),
+                   donate_argnames=("state",))
+def spec_chunk(params: Params, drafter: DrafterParams, vocab_ids: jax.Array | None,
+               state: SpecState, *, config: ModelConfig, strategy: SpecStrategy,
+               sampling: SamplingParams, eos_ids: tuple[int, ...], max_new_tokens: int,
+               chunk_steps: int) -> SpecState:
+  """Up to `chunk_steps` speculative steps in one program; stops when all rows are done."""
+  head = draft_head(params, config, vocab_ids)
+
+  def step(carry):
+    i, s = carry
+    return i + 1, spec_step(params, drafter, head, vocab_ids, s, config=config,
+                            strategy=strategy, sampling=sampling, eos_ids=eos_ids,
+                            max_new_tokens=max_new_tokens)
+
+  def cond(carry):
+    i, s = carry
+    return (i < chunk_steps) & ~jnp.all(s.base.done)
+
+  return jax.lax.while_loop(cond, step, (jnp.int32(0), state))[1]
