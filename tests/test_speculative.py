@@ -116,3 +116,50 @@ def test_bad_sd_threshold():
   config, _, drafter = _model(8)
   with pytest.raises(UserInputError, match="--sd_threshold"):
     SpecConfig(drafter=drafter, strategy=SpecStrategy(2, 1, 3), threshold=0)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+@pytest.mark.parametrize("one_hot_q", [False, True])
+def test_rejection_rule_emits_p(temperature, top_p, one_hot_q):
+  """Draft x ~ q, apply the chain rule: the first emitted token must be distributed as p."""
+  from scipy.stats import chisquare
+
+  from tlt_jax.rollout.acceptance import rejection_chain
+  from tlt_jax.rollout.sampling import processed_logprobs
+  vocab, n = 12, 200_000
+  sampling = SamplingParams(temperature=temperature, top_p=top_p)
+  for pair in range(3):
+    k_p, k_q, k_draft, k_rule = jax.random.split(jax.random.key(100 + pair), 4)
+    p = jnp.exp(processed_logprobs(2.0 * jax.random.normal(k_p, (vocab,)), sampling))
+    if one_hot_q:
+      q = jax.nn.one_hot(pair, vocab)
+    else:
+      q = jnp.exp(processed_logprobs(2.0 * jax.random.normal(k_q, (vocab,)), sampling))
+    draft = jax.random.categorical(k_draft, jnp.log(q), shape=(n,))
+    target = jnp.broadcast_to(p, (n, 2, vocab))     # root p, then a bonus p
+    num_accepted, next_token = rejection_chain(k_rule, target, jnp.broadcast_to(q, (n, 1, vocab)),
+                                               draft[:, None])
+    first = np.where(np.asarray(num_accepted) > 0, np.asarray(draft), np.asarray(next_token))
+    observed = np.bincount(first, minlength=vocab)
+    expected = np.asarray(p, np.float64) * n
+    support = expected > 0
+    assert observed[~support].sum() == 0           # never emits outside p's support
+    _, p_value = chisquare(observed[support], expected[support] / expected[support].sum() * n)
+    assert p_value >= 1e-3, (pair, p_value)
+
+
+def test_sampled_chain_matches_plain_sampling():
+  """A sampled chain (rejection rule) reproduces plain sampling's joint distribution."""
+  from scipy.stats import chi2_contingency
+  config, params, drafter = _model(6, seed=13)
+  spec = SpecConfig(drafter=drafter, strategy=SpecStrategy(3, 1, 4), threshold=256, patience=0)
+  sampling = SamplingParams(temperature=1.0)
+  plain, sd = collections.Counter(), collections.Counter()
+  for seed in range(24):
+    plain.update(_first_tokens(params, config, None, seed, sampling, n=4))
+    sd.update(_first_tokens(params, config, spec, 1000 + seed, sampling, n=4))
+  cells = sorted(set(plain) | set(sd))
+  table = np.array([[plain[c] for c in cells], [sd[c] for c in cells]])
+  table = table[:, table.sum(0) >= 5]
+  _, p_value, _, _ = chi2_contingency(table)
+  assert p_value >= 1e-3, p_value

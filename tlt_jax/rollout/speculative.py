@@ -25,7 +25,8 @@ from tlt_jax.models.drafter import DrafterParams, draft_head, draft_logits, draf
 from tlt_jax.models.kv_cache import KVCache
 from tlt_jax.models.transformer import Params, forward, lm_logits
 from tlt_jax.rollout.decode import DecodeState, emit
-from tlt_jax.rollout.sampling import SamplingParams, policy_logprobs, sample
+from tlt_jax.rollout.acceptance import rejection_chain
+from tlt_jax.rollout.sampling import SamplingParams, policy_logprobs, processed_logprobs, sample
 from tlt_jax.rollout.strategy import SpecStrategy
 
 # Ranks a node just below an equal-scoring ancestor, so a top-n selection is ancestor-closed.
@@ -71,9 +72,29 @@ def start_speculation(params: Params, drafter: DrafterParams, base: DecodeState,
                    pend_count=jnp.ones((b,), jnp.int32), spec_steps=zeros, spec_tokens=zeros)
 
 
-def _grow_tree(params, drafter, head, vocab_ids, config, strategy, state: SpecState):
-  """Drafts `depth` levels of `topk` nodes. Node n sits at level n // topk (depth+1)."""
+def _sampled_chain(strategy: SpecStrategy, sampling: SamplingParams) -> bool:
+  """Chains under sampling draft x ~ q and use rejection sampling; all else is top-k."""
+  return strategy.topk == 1 and not sampling.greedy
+
+
+def _propose(key, logits, k, sampled, sampling):
+  """Draft candidates per row of logits [..., Vd]: (log q of each, index, q or None)."""
+  if not sampled:
+    scores, ix = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)
+    return scores, ix, None
+  logq = processed_logprobs(logits, sampling)
+  ix = jax.random.categorical(key, logq, axis=-1)[..., None]
+  return jnp.take_along_axis(logq, ix, axis=-1), ix, jnp.exp(logq)
+
+
+def _grow_tree(key, params, drafter, head, vocab_ids, config, strategy, sampling,
+               state: SpecState):
+  """Drafts `depth` levels of `topk` nodes. Node n sits at level n // topk (depth+1).
+
+  Also returns, for a sampled chain, the draft distributions q [B, depth, Vd]."""
   depth, k = strategy.depth, strategy.topk
+  sampled = _sampled_chain(strategy, sampling)
+  keys = jax.random.split(key, depth)
   b = state.pend_tokens.shape[0]
   n_nodes = strategy.num_nodes
   to_token = (lambda ix: ix) if vocab_ids is None else (lambda ix: jnp.take(vocab_ids, ix))
@@ -87,7 +108,8 @@ def _grow_tree(params, drafter, head, vocab_ids, config, strategy, state: SpecSt
   committed = cache.lengths
   rows = jnp.arange(b)
   root_hidden = hidden[rows, state.pend_count - 1]
-  scores, ix = jax.lax.top_k(jax.nn.log_softmax(draft_logits(head, root_hidden), axis=-1), k)
+  scores, ix, q = _propose(keys[0], draft_logits(head, root_hidden), k, sampled, sampling)
+  draft_probs = [q]
   level_tokens, level_parents = to_token(ix), jnp.full((b, k), -1, jnp.int32)
   level_hidden = jnp.broadcast_to(root_hidden[:, None], (b, k, root_hidden.shape[-1]))
   node_tokens, node_parents, node_scores = [level_tokens], [level_parents], [scores]
@@ -105,8 +127,9 @@ def _grow_tree(params, drafter, head, vocab_ids, config, strategy, state: SpecSt
                                  level_positions,
                                  cache.replace(lengths=committed + (level - 1) * k),
                                  cache_mask=cache_mask)
-    child_scores, child_ix = jax.lax.top_k(
-        jax.nn.log_softmax(draft_logits(head, out), axis=-1), k)       # [B, k, k]
+    child_scores, child_ix, q = _propose(keys[level], draft_logits(head, out), k, sampled,
+                                         sampling)                      # [B, k, k]
+    draft_probs.append(None if q is None else q[:, 0])
     scores, best = jax.lax.top_k((scores[:, :, None] + child_scores).reshape(b, k * k), k)
     parent_local = best // k
     level_tokens = to_token(jnp.take_along_axis(child_ix.reshape(b, k * k), best, axis=1))
@@ -120,7 +143,8 @@ def _grow_tree(params, drafter, head, vocab_ids, config, strategy, state: SpecSt
     node_scores.append(scores)
   cache = cache.replace(lengths=committed)
   return (state.replace(draft_cache=cache), jnp.concatenate(node_tokens, 1),
-          jnp.concatenate(node_parents, 1), jnp.concatenate(node_scores, 1), ancestors)
+          jnp.concatenate(node_parents, 1), jnp.concatenate(node_scores, 1), ancestors,
+          jnp.stack(draft_probs, axis=1) if sampled else None)
 
 
 def _select_verify_set(strategy, node_tokens, node_parents, node_scores, ancestors,
@@ -146,6 +170,38 @@ def _select_verify_set(strategy, node_tokens, node_parents, node_scores, ancesto
   return tokens, depth, parents, mask
 
 
+def _accept_target_only(key, logits, tokens, parents, node_depth, depth, sampling):
+  """Tree rule: a node is accepted iff its token is its parent's own target choice.
+
+  Returns (drafted tokens accepted [B], verify index of the path node at each depth
+  [B, depth+1], emitted tokens y_1..y_n + bonus [B, depth+1])."""
+  choice = sample(key, logits, sampling)                               # [B, V]
+  matches = tokens == jnp.take_along_axis(choice, parents, axis=1)
+  accepted = jnp.zeros_like(matches).at[:, 0].set(True)
+  for _ in range(depth):
+    accepted = accepted.at[:, 1:].set((jnp.take_along_axis(accepted, parents, axis=1)
+                                       & matches)[:, 1:])
+  num_accepted = jnp.max(jnp.where(accepted, node_depth, 0), axis=1)
+  on_level = accepted[:, None, :] & (
+      node_depth[:, None, :] == jnp.arange(depth + 1)[None, :, None])
+  path = jnp.argmax(on_level, axis=-1)
+  return num_accepted, path, jnp.take_along_axis(choice, path, axis=1)
+
+
+def _accept_rejection_chain(key, logits, tokens, draft_probs, vocab_ids, sampling):
+  """Chain rule (Leviathan/Chen) with q the drafter's processed distribution."""
+  b, d = draft_probs.shape[:2]
+  target_probs = jnp.exp(processed_logprobs(logits, sampling))          # [B, d+1, V]
+  if vocab_ids is not None:   # q lives on the draft vocabulary: scatter it to the full one
+    draft_probs = jnp.zeros((b, d, logits.shape[-1]), draft_probs.dtype).at[
+        ..., vocab_ids].set(draft_probs)
+  num_accepted, next_token = rejection_chain(key, target_probs, draft_probs, tokens[:, 1:])
+  steps = jnp.arange(d + 1)[None, :]
+  drafted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
+  emitted = jnp.where(steps < num_accepted[:, None], drafted, next_token[:, None])
+  return num_accepted, jnp.broadcast_to(steps, (b, d + 1)), emitted
+
+
 def spec_step(params: Params, drafter: DrafterParams, head: jax.Array,
               vocab_ids: jax.Array | None, state: SpecState, *, config: ModelConfig,
               strategy: SpecStrategy, sampling: SamplingParams, eos_ids: tuple[int, ...],
@@ -155,8 +211,9 @@ def spec_step(params: Params, drafter: DrafterParams, head: jax.Array,
   b, depth = base.last_tokens.shape[0], strategy.depth
   rows = jnp.arange(b)
   live = ~base.done
-  state, node_tokens, node_parents, node_scores, ancestors = _grow_tree(
-      params, drafter, head, vocab_ids, config, strategy, state)
+  key, draft_key, accept_key = jax.random.split(base.key, 3)
+  state, node_tokens, node_parents, node_scores, ancestors, draft_probs = _grow_tree(
+      draft_key, params, drafter, head, vocab_ids, config, strategy, sampling, state)
   tokens, node_depth, parents, mask = _select_verify_set(
       strategy, node_tokens, node_parents, node_scores, ancestors, base.last_tokens)
 
@@ -164,17 +221,12 @@ def spec_step(params: Params, drafter: DrafterParams, head: jax.Array,
   hidden, cache = forward(params, config, tokens, committed[:, None] + node_depth, base.cache,
                           mask)
   logits = lm_logits(params, config, hidden)                           # [B, V, vocab]
-  key, sub = jax.random.split(base.key)
-  choice = sample(sub, logits, sampling)                               # [B, V]
-
-  matches = tokens == jnp.take_along_axis(choice, parents, axis=1)
-  accepted = jnp.zeros_like(matches).at[:, 0].set(True)
-  for _ in range(depth):
-    accepted = accepted.at[:, 1:].set((jnp.take_along_axis(accepted, parents, axis=1)
-                                       & matches)[:, 1:])
-  num_accepted = jnp.max(jnp.where(accepted, node_depth, 0), axis=1)  # drafted tokens kept
-  on_level = accepted[:, None, :] & (node_depth[:, None, :] == jnp.arange(depth + 1)[None, :, None])
-  path = jnp.argmax(on_level, axis=-1)                                 # [B, depth + 1]
+  if draft_probs is None:
+    num_accepted, path, emitted = _accept_target_only(accept_key, logits, tokens, parents,
+                                                      node_depth, depth, sampling)
+  else:
+    num_accepted, path, emitted = _accept_rejection_chain(
+        accept_key, logits, tokens, draft_probs, vocab_ids, sampling)
   in_path = jnp.arange(depth + 1)[None, :] <= num_accepted[:, None]
 
   # Move the path's K/V from verify order into consecutive cache slots.
@@ -185,7 +237,6 @@ def spec_step(params: Params, drafter: DrafterParams, head: jax.Array,
 
   path_tokens = jnp.take_along_axis(tokens, path, axis=1)
   path_hidden = jnp.take_along_axis(hidden, path[:, :, None], axis=1)
-  emitted = jnp.take_along_axis(choice, path, axis=1)                  # y_1..y_n, bonus
   emitted_logprobs = jnp.take_along_axis(
       jnp.take_along_axis(policy_logprobs(logits, sampling), path[:, :, None], axis=1),
       emitted[:, :, None], axis=2)[..., 0]

@@ -26,6 +26,9 @@ class SpecStrategy:
       raise UserInputError(
           f"strategy {self.name}: verify_tokens {self.verify_tokens} exceeds the "
           f"{1 + self.depth * self.topk} tokens a depth-{self.depth}, top-{self.topk} tree has")
+    if self.topk == 1 and self.verify_tokens != self.depth + 1:
+      raise UserInputError(f"strategy {self.name}: a chain (topk 1) verifies depth + 1 = "
+                           f"{self.depth + 1} tokens")
 
   @property
   def name(self) -> str:
