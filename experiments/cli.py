@@ -7,7 +7,7 @@ import sys
 import tempfile
 from typing import Any, Callable
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from tlt_jax.errors import UserInputError
 
@@ -23,13 +23,17 @@ def _parse_flags(argv: list[str]) -> list[str]:
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
-    fail(str(e).splitlines()[0])
+    fail(str(e).replace("\n", " "))
 
 
 def run(main: Callable[[list[str]], Any]) -> None:
   """`app.run` with bad flags and `UserInputError`s reported as one line, exit code 2."""
 
   def guarded(argv):
+    if len(argv) > 1:
+      fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    if not flags.FLAGS["verbosity"].present:
+      logging.set_verbosity(logging.WARNING)  # jax and orbax log chatty INFO lines
     try:
       return main(argv)
     except UserInputError as e:

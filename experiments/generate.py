@@ -30,6 +30,12 @@ _TOP_K = flags.DEFINE_integer("top_k", 0, "Top-k sampling; 0 disables.", lower_b
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _CHAT = flags.DEFINE_bool("chat", False, "Wrap string prompts in the model's chat template.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
+_DRAFTER = flags.DEFINE_string("drafter", None, "Drafter dir (from experiments.train_drafter): "
+                               "enables speculative decoding for the tail.")
+_STRATEGY = flags.DEFINE_string("strategy", "4_1_5", "SD strategy DEPTH_TOPK_VERIFYTOKENS.")
+_SD_THRESHOLD = flags.DEFINE_integer("sd_threshold", 32, "SD turns on once at most this many "
+                                     "rows are live ...")
+_SD_PATIENCE = flags.DEFINE_integer("sd_patience", 10, "... for this many decode steps.")
 flags.mark_flags_as_required(["prompts_json", "output_json"])
 
 
@@ -65,28 +71,53 @@ def tokenize_prompts(prompts: list, tokenizer, vocab_size: int, chat: bool) -> l
   return token_lists
 
 
+def load_spec(config, dtype):
+  """The SD configuration from --drafter/--strategy/--sd_*; None when SD is off."""
+  import jax.numpy as jnp
+
+  from tlt_jax.drafter.trainer import load_drafter
+  from tlt_jax.rollout.engine import SpecConfig
+  from tlt_jax.rollout.strategy import SpecStrategy
+
+  sd_flags = [f for f in ("strategy", "sd_threshold", "sd_patience") if flags.FLAGS[f].present]
+  if _DRAFTER.value is None:
+    if sd_flags:
+      raise UserInputError(f"--{sd_flags[0]} needs --drafter (speculative decoding is off)")
+    return None
+  strategy = SpecStrategy.parse(_STRATEGY.value)
+  drafter, vocab_ids = load_drafter(_DRAFTER.value, config, dtype)
+  return SpecConfig(drafter=drafter, strategy=strategy,
+                    vocab_ids=None if vocab_ids is None else jnp.asarray(vocab_ids),
+                    threshold=_SD_THRESHOLD.value, patience=_SD_PATIENCE.value)
+
+
 def main(argv):
   del argv
   import jax.numpy as jnp
 
   from tlt_jax.models.loading import load_model
-  from tlt_jax.rollout.engine import generate
+  from tlt_jax.rollout.engine import SpecConfig, generate
   from tlt_jax.rollout.sampling import SamplingParams
+  from tlt_jax.rollout.strategy import SpecStrategy
 
   sampling = SamplingParams(temperature=_TEMPERATURE.value, top_p=_TOP_P.value,
                             top_k=_TOP_K.value)
+  # Cheap checks before the model loads: a bad flag should not cost a minute.
+  SpecStrategy.parse(_STRATEGY.value)
+  SpecConfig.validate_schedule(_SD_THRESHOLD.value, _SD_PATIENCE.value)
   prompts = read_prompts(_PROMPTS.value)
   start = time.perf_counter()
   print(f"loading {_MODEL.value} ...", file=sys.stderr)
   model = load_model(_MODEL.value, dtype=jnp.dtype(_DTYPE.value))
   load_s = time.perf_counter() - start
+  spec = load_spec(model.config, jnp.dtype(_DTYPE.value))
   token_lists = tokenize_prompts(prompts, model.tokenizer, model.config.vocab_size, _CHAT.value)
   eos_ids = set(model.config.eos_token_ids)
   if model.tokenizer is not None:
     eos_ids |= set(model.tokenizer.eos_token_ids)
   print(f"generating {len(token_lists)} prompts x {_MAX_NEW.value} tokens ...", file=sys.stderr)
   result = generate(model.params, model.config, token_lists, max_new_tokens=_MAX_NEW.value,
-                    sampling=sampling, eos_ids=tuple(eos_ids), seed=_SEED.value)
+                    sampling=sampling, eos_ids=tuple(eos_ids), seed=_SEED.value, spec=spec)
   outputs = []
   for out in result.outputs:
     content = [t for t in out.token_ids if t not in eos_ids]

@@ -29,6 +29,9 @@ from tlt_jax.rollout.strategy import SpecStrategy
 from tlt_jax.sharding.rules import MeshRules
 
 
+MAX_SD_THRESHOLD = 256   # the largest batch bucket: SD above it never pays
+
+
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
   """Speculative decoding for the tail: on below `threshold` live rows for `patience` steps."""
@@ -39,10 +42,14 @@ class SpecConfig:
   patience: int = 10
 
   def __post_init__(self):
-    if self.threshold < 1:
-      raise UserInputError(f"--sd_threshold={self.threshold}: must be >= 1")
-    if self.patience < 0:
-      raise UserInputError(f"--sd_patience={self.patience}: must be >= 0")
+    self.validate_schedule(self.threshold, self.patience)
+
+  @staticmethod
+  def validate_schedule(threshold: int, patience: int) -> None:
+    if not 1 <= threshold <= MAX_SD_THRESHOLD:
+      raise UserInputError(f"--sd_threshold={threshold}: must be in [1, {MAX_SD_THRESHOLD}]")
+    if patience < 0:
+      raise UserInputError(f"--sd_patience={patience}: must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)

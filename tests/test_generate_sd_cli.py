@@ -1,0 +1,84 @@
+"""The generate CLI with speculative decoding flags: same greedy output, SD stats, bad input."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(args, out):
+  proc = subprocess.run([sys.executable, "-m", "experiments.generate", *args,
+                         f"--output_json={out}"], cwd=REPO, capture_output=True, text=True,
+                        timeout=600)
+  return proc, out
+
+
+@pytest.fixture(scope="module")
+def drafter_dirs(tiny_hf_dirs, tmp_path_factory):
+  """A random drafter for the tiny Llama, and one for a model of another width."""
+  from tlt_jax.drafter.trainer import save_drafter
+  from tlt_jax.models.config import ModelConfig
+  from tlt_jax.models.drafter import init_drafter_params
+  root = tmp_path_factory.mktemp("drafters")
+  config = ModelConfig.from_hf_dir(tiny_hf_dirs["llama"])
+  save_drafter(str(root / "good"), init_drafter_params(config, jax.random.key(0)), None, config)
+  other = dataclasses.replace(config, hidden_size=48, num_heads=3, num_kv_heads=1)
+  save_drafter(str(root / "other"), init_drafter_params(other, jax.random.key(0)), None, other)
+  return {"good": str(root / "good"), "other": str(root / "other")}
+
+
+def test_sd_cli_matches_plain_and_reports_stats(tiny_hf_dirs, drafter_dirs, tmp_path):
+  prompts = tmp_path / "prompts.json"
+  prompts.write_text(json.dumps([[5, 6, 7], [9, 10, 11, 12, 13, 14], "hello"]))
+  common = [f"--model={tiny_hf_dirs['llama']}", f"--prompts_json={prompts}",
+            "--max_new_tokens=20", "--temperature=0"]
+  plain, plain_out = _run(common, tmp_path / "plain.json")
+  assert plain.returncode == 0, plain.stderr
+  sd, sd_out = _run(common + [f"--drafter={drafter_dirs['good']}", "--strategy=3_2_5",
+                              "--sd_threshold=4", "--sd_patience=0"],
+                    tmp_path / "sd.json")
+  assert sd.returncode == 0, sd.stderr
+  a, b = json.loads(plain_out.read_text()), json.loads(sd_out.read_text())
+  assert [o["token_ids"] for o in a["outputs"]] == [o["token_ids"] for o in b["outputs"]]
+  stats = b["stats"]
+  assert stats["spec/strategy"] == "3_2_5" and stats["spec/verify_steps"] > 0
+  assert stats["spec/accept_len"] >= 1.0 and 0 < stats["spec/enabled_frac"] <= 1
+  assert stats["compile/programs"] > 0
+
+
+@pytest.mark.parametrize("flag_args,needle", [
+    (["--strategy=8_4"], "--strategy"),
+    (["--strategy=2_2_9"], "--strategy"),
+    (["--sd_threshold=0"], "--sd_threshold"),
+    (["--sd_threshold=100000"], "--sd_threshold"),
+    (["--drafter=OTHER"], "fc.weight"),
+    (["--drafter=MISSING"], "missing"),
+])
+def test_sd_cli_bad_input(tiny_hf_dirs, drafter_dirs, tmp_path, flag_args, needle):
+  prompts = tmp_path / "prompts.json"
+  prompts.write_text(json.dumps([[5, 6, 7]]))
+  flag_args = [a.replace("OTHER", drafter_dirs["other"]).replace("MISSING", str(tmp_path / "no"))
+               for a in flag_args]
+  if not any(a.startswith("--drafter") for a in flag_args):
+    flag_args.append(f"--drafter={drafter_dirs['good']}")
+  proc, out = _run([f"--model={tiny_hf_dirs['llama']}", f"--prompts_json={prompts}",
+                    "--max_new_tokens=4", *flag_args], tmp_path / "out.json")
+  assert proc.returncode == 2, proc.stderr
+  errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+  assert len(errors) == 1 and needle in errors[0], proc.stderr
+  assert "Traceback" not in proc.stderr
+  assert not out.exists()
+
+
+def test_sd_flags_without_drafter_are_rejected(tiny_hf_dirs, tmp_path):
+  prompts = tmp_path / "prompts.json"
+  prompts.write_text(json.dumps([[5, 6, 7]]))
+  proc, out = _run([f"--model={tiny_hf_dirs['llama']}", f"--prompts_json={prompts}",
+                    "--strategy=4_1_5"], tmp_path / "out.json")
+  assert proc.returncode == 2 and "needs --drafter" in proc.stderr
+  assert not out.exists()
