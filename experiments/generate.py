@@ -35,6 +35,8 @@ _DRAFTER = flags.DEFINE_string("drafter", None, "Drafter dir (from experiments.t
 _STRATEGY = flags.DEFINE_string("strategy", "4_1_5", "SD strategy DEPTH_TOPK_VERIFYTOKENS.")
 _SD_THRESHOLD = flags.DEFINE_integer("sd_threshold", 32, "SD turns on once at most this many "
                                      "rows are live ...")
+_ATTENTION = flags.DEFINE_enum("attention_impl", "auto", ["auto", "reference", "pallas", "triton"],
+                               "Attention kernel: auto = Pallas on GPU, jnp elsewhere.")
 _SD_PATIENCE = flags.DEFINE_integer("sd_patience", 10, "... for this many decode steps.")
 flags.mark_flags_as_required(["prompts_json", "output_json"])
 
@@ -117,7 +119,8 @@ def main(argv):
     eos_ids |= set(model.tokenizer.eos_token_ids)
   print(f"generating {len(token_lists)} prompts x {_MAX_NEW.value} tokens ...", file=sys.stderr)
   result = generate(model.params, model.config, token_lists, max_new_tokens=_MAX_NEW.value,
-                    sampling=sampling, eos_ids=tuple(eos_ids), seed=_SEED.value, spec=spec)
+                    sampling=sampling, eos_ids=tuple(eos_ids), seed=_SEED.value, spec=spec,
+                    attention_impl=_ATTENTION.value)
   outputs = []
   for out in result.outputs:
     content = [t for t in out.token_ids if t not in eos_ids]

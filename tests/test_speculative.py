@@ -163,3 +163,22 @@ def test_sampled_chain_matches_plain_sampling():
   table = table[:, table.sum(0) >= 5]
   _, p_value, _, _ = chi2_contingency(table)
   assert p_value >= 1e-3, p_value
+
+
+def test_pallas_verify_attention_gives_the_same_tokens():
+  """The engine with the Pallas tree-attention kernel (interpreted on CPU) is exact too."""
+  config, params, drafter = _model(8, seed=21)
+  prompts = _prompts(8, (5, 3))
+  spec = SpecConfig(drafter=drafter, strategy=SpecStrategy(2, 2, 4), threshold=2, patience=0)
+  kwargs = dict(max_new_tokens=6, sampling=GREEDY, spec=spec)
+  ref = generate(params, config, prompts, attention_impl="reference", **kwargs)
+  pallas = generate(params, config, prompts, attention_impl="pallas", **kwargs)
+  assert [o.token_ids for o in ref.outputs] == [o.token_ids for o in pallas.outputs]
+  np.testing.assert_allclose(np.concatenate([o.logprobs for o in ref.outputs]),
+                             np.concatenate([o.logprobs for o in pallas.outputs]), atol=1e-4)
+
+
+def test_unknown_attention_impl_is_rejected():
+  config, params, _ = _model(8)
+  with pytest.raises(UserInputError, match="--attention_impl"):
+    generate(params, config, [[1, 2]], max_new_tokens=2, attention_impl="cuda")

@@ -47,14 +47,14 @@ def init_drafter_cache(config: ModelConfig, batch_size: int, max_len: int, dtype
 
 def drafter_forward(drafter: DrafterParams, target: transformer.Params, config: ModelConfig,
                     tokens: jax.Array, hidden: jax.Array, positions: jax.Array, cache: KVCache,
-                    new_mask: jax.Array | None = None,
-                    cache_mask: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+                    new_mask: jax.Array | None = None, cache_mask: jax.Array | None = None,
+                    attention_impl: str = "auto") -> tuple[jax.Array, KVCache]:
   """tokens [B, T] (x_{j+1}) and hidden [B, T, E] (h_j) -> predicted h_{j+1} [B, T, E]."""
   embedded = transformer.embed_tokens(target, tokens).astype(drafter["fc"].dtype)
   x = jnp.concatenate([embedded, hidden.astype(embedded.dtype)], axis=-1) @ drafter["fc"]
   x = x + drafter["fc_bias"]
   return transformer.run_layers(drafter["layers"], drafter_layer_config(config), x, positions,
-                                cache, new_mask, None, cache_mask)
+                                cache, new_mask, None, cache_mask, attention_impl)
 
 
 def draft_head(target: transformer.Params, config: ModelConfig,

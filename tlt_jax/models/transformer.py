@@ -21,6 +21,7 @@ import numpy as np
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.kv_cache import KVCache
 from tlt_jax.models.rope import apply_rope, inverse_frequencies
+from tlt_jax.pallas.tree_attention import tree_attention
 from tlt_jax.sharding.rules import MeshRules, constrain
 
 Params = dict
@@ -81,10 +82,10 @@ def _attention_mask(cache_lengths: jax.Array, new_mask: jax.Array, max_len: int)
 
 
 def _layer(config: ModelConfig, inv_freq: np.ndarray, rules: MeshRules | None,
-           x, layer, k_cache, v_cache, layer_idx, positions, write_idx, mask):
+           attention_impl: str, x, layer, k_cache, v_cache, layer_idx, positions, write_idx,
+           mask):
   b, t, _ = x.shape
   kh, d = config.num_kv_heads, config.head_dim
-  groups = config.num_heads // kh
   # The EAGLE drafter's layer has no input norm: its input is already a projection.
   h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps) if "attn_norm" in layer else x
   q, k, v = h @ layer["wq"], h @ layer["wk"], h @ layer["wv"]
@@ -104,12 +105,7 @@ def _layer(config: ModelConfig, inv_freq: np.ndarray, rules: MeshRules | None,
   v_cache = v_cache.at[layer_idx, rows, write_idx].set(v.astype(v_cache.dtype), mode="drop")
   keys, values = k_cache[layer_idx], v_cache[layer_idx]                 # [B, S, K, D]
 
-  qg = q.reshape(b, t, kh, groups, d)
-  scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys.astype(q.dtype),
-                      preferred_element_type=jnp.float32) * (d ** -0.5)
-  scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-  attn = jnp.einsum("bkgts,bskd->btkgd", probs, values.astype(q.dtype))
+  attn = tree_attention(q, keys, values, mask, impl=attention_impl)
   x = x + attn.reshape(b, t, config.num_heads * d) @ layer["wo"]
 
   h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
@@ -121,14 +117,15 @@ def _layer(config: ModelConfig, inv_freq: np.ndarray, rules: MeshRules | None,
 
 def run_layers(layers: Params, config: ModelConfig, x: jax.Array, positions: jax.Array,
                cache: KVCache, new_mask: jax.Array | None = None,
-               rules: MeshRules | None = None,
-               cache_mask: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+               rules: MeshRules | None = None, cache_mask: jax.Array | None = None,
+               attention_impl: str = "auto") -> tuple[jax.Array, KVCache]:
   """Runs a stack of decoder layers on embeddings x [B, T, E]; the cache has one entry per
   layer. Shared by the target model and the one-layer drafter.
 
   cache_mask [B, T, max_len], when given, replaces the prefix + new_mask visibility: a
   drafter growing a tree over several calls must see uncommitted ancestors from earlier
-  calls but not their siblings.
+  calls but not their siblings. attention_impl picks the attention kernel
+  (see `tlt_jax.pallas.tree_attention`; "auto" is Pallas on GPU, jnp elsewhere).
   """
   b, t, _ = x.shape
   if cache_mask is not None:
@@ -143,8 +140,8 @@ def run_layers(layers: Params, config: ModelConfig, x: jax.Array, positions: jax
   def body(carry, scanned):
     x, k_cache, v_cache = carry
     layer, layer_idx = scanned
-    x, k_cache, v_cache = _layer(config, inv_freq, rules, x, layer, k_cache, v_cache,
-                                 layer_idx, positions, write_idx, mask)
+    x, k_cache, v_cache = _layer(config, inv_freq, rules, attention_impl, x, layer, k_cache,
+                                 v_cache, layer_idx, positions, write_idx, mask)
     return (x, k_cache, v_cache), None
 
   (x, k_cache, v_cache), _ = jax.lax.scan(
@@ -154,7 +151,8 @@ def run_layers(layers: Params, config: ModelConfig, x: jax.Array, positions: jax
 
 def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
             cache: KVCache, new_mask: jax.Array | None = None,
-            rules: MeshRules | None = None) -> tuple[jax.Array, KVCache]:
+            rules: MeshRules | None = None,
+            attention_impl: str = "auto") -> tuple[jax.Array, KVCache]:
   """Runs `tokens` [B, T] at `positions` [B, T] against `cache`.
 
   new_mask [B, T, T] (default causal) says which new tokens each new token sees. Returns
@@ -162,5 +160,6 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
   `cache.lengths + arange(T)`; lengths are NOT advanced (see `KVCache.advance`).
   """
   x = constrain(embed_tokens(params, tokens), ("batch", None, "act_embed"), rules)
-  x, cache = run_layers(params["layers"], config, x, positions, cache, new_mask, rules)
+  x, cache = run_layers(params["layers"], config, x, positions, cache, new_mask, rules,
+                        attention_impl=attention_impl)
   return rms_norm(x, params["final_norm"], config.rms_norm_eps), cache

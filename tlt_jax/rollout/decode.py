@@ -72,15 +72,16 @@ def sample_and_score(key, logits, sampling):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "sampling", "eos_ids", "max_new_tokens",
-                                             "keep_hidden", "rules"), donate_argnames=("cache",))
+                                             "keep_hidden", "rules", "attention_impl"),
+                   donate_argnames=("cache",))
 def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, live: jax.Array,
             cache: KVCache, key: jax.Array, *, config: ModelConfig, sampling: SamplingParams,
             eos_ids: tuple[int, ...], max_new_tokens: int, keep_hidden: bool = False,
-            rules: MeshRules | None = None) -> DecodeState:
+            rules: MeshRules | None = None, attention_impl: str = "auto") -> DecodeState:
   """Runs right-padded prompts [B, T] (true lengths [B]) and emits the first token."""
   b, t = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  hidden, cache = forward(params, config, tokens, positions, cache, None, rules)
+  hidden, cache = forward(params, config, tokens, positions, cache, None, rules, attention_impl)
   last_hidden = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
   key, sub = jax.random.split(key)
   first, first_logprob = sample_and_score(sub, lm_logits(params, config, last_hidden, rules),
@@ -101,16 +102,18 @@ def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, live: jax.Arr
 
 
 @functools.partial(jax.jit, static_argnames=("config", "sampling", "eos_ids", "max_new_tokens",
-                                             "chunk_steps", "rules"), donate_argnames=("state",))
+                                             "chunk_steps", "rules", "attention_impl"),
+                   donate_argnames=("state",))
 def decode_chunk(params: Params, state: DecodeState, *, config: ModelConfig,
                  sampling: SamplingParams, eos_ids: tuple[int, ...], max_new_tokens: int,
-                 chunk_steps: int, rules: MeshRules | None = None) -> DecodeState:
+                 chunk_steps: int, rules: MeshRules | None = None,
+                 attention_impl: str = "auto") -> DecodeState:
   """Up to `chunk_steps` single-token decode steps; stops early when all rows are done."""
 
   def step(carry):
     i, s = carry
     hidden, cache = forward(params, config, s.last_tokens[:, None], s.cache.lengths[:, None],
-                            s.cache, None, rules)
+                            s.cache, None, rules, attention_impl)
     key, sub = jax.random.split(s.key)
     tokens, logprobs = sample_and_score(sub, lm_logits(params, config, hidden[:, 0], rules),
                                          sampling)

@@ -22,6 +22,7 @@ from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import DrafterParams, init_drafter_cache
 from tlt_jax.models.kv_cache import KVCache, init_cache
 from tlt_jax.models.transformer import Params
+from tlt_jax.pallas.tree_attention import IMPLS
 from tlt_jax.rollout import decode, speculative
 from tlt_jax.rollout.buckets import BucketSpec
 from tlt_jax.rollout.sampling import SamplingParams
@@ -133,8 +134,15 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
              max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
              eos_ids: Sequence[int] = (), seed: int = 0, buckets: BucketSpec = BucketSpec(),
              chunk_steps: int = 16, rules: MeshRules | None = None,
-             spec: SpecConfig | None = None, compact: bool = True) -> GenerationResult:
-  """Generates up to `max_new_tokens` tokens for each prompt (lists of token ids)."""
+             spec: SpecConfig | None = None, compact: bool = True,
+             attention_impl: str = "auto") -> GenerationResult:
+  """Generates up to `max_new_tokens` tokens for each prompt (lists of token ids).
+
+  attention_impl: "auto" (Pallas kernel on GPU, jnp elsewhere), "reference", "pallas"
+  (interpreted off-GPU: slow, for checking) or "triton".
+  """
+  if attention_impl not in IMPLS:
+    raise UserInputError(f"--attention_impl={attention_impl!r}: expected one of {', '.join(IMPLS)}")
   longest = _validate(prompts, max_new_tokens, config)
   batch = buckets.batch_bucket(len(prompts))
   prompt_len = buckets.prompt_length(longest)
@@ -142,7 +150,8 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
   cache_len = buckets.cache_length(max(prompt_len, longest + max_new_tokens + margin))
   tokens, lengths, live = pad_prompts(prompts, batch, prompt_len)
   eos = tuple(sorted(set(int(e) for e in eos_ids)))
-  static = dict(config=config, sampling=sampling, eos_ids=eos, max_new_tokens=max_new_tokens)
+  static = dict(config=config, sampling=sampling, eos_ids=eos, max_new_tokens=max_new_tokens,
+                attention_impl=attention_impl)
   dtype = params["embed"].dtype
   programs_before = compiled_programs()
 
@@ -182,7 +191,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
         state = speculative.start_speculation(
             params, spec.drafter, state,
             init_drafter_cache(config, state.done.shape[0], cache_len, dtype),
-            config=config, strategy=spec.strategy)
+            config=config, strategy=spec.strategy, attention_impl=attention_impl)
     last_generated = generated
     if isinstance(state, speculative.SpecState):
       state = speculative.spec_chunk(params, spec.drafter, spec.vocab_ids, state,

@@ -49,11 +49,11 @@ def cache_margin(strategy: SpecStrategy) -> int:
   return max(strategy.verify_tokens, strategy.num_nodes + strategy.depth + 1)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "strategy"),
+@functools.partial(jax.jit, static_argnames=("config", "strategy", "attention_impl"),
                    donate_argnames=("base", "draft_cache"))
 def start_speculation(params: Params, drafter: DrafterParams, base: DecodeState,
                       draft_cache: KVCache, *, config: ModelConfig,
-                      strategy: SpecStrategy) -> SpecState:
+                      strategy: SpecStrategy, attention_impl: str = "auto") -> SpecState:
   """Drafter prefill over each row's existing context (slots 0..L-2), leaving the pair
   (h_{L-1}, x_L) pending."""
   lengths = base.cache.lengths
@@ -61,7 +61,8 @@ def start_speculation(params: Params, drafter: DrafterParams, base: DecodeState,
   tokens = jnp.concatenate([base.history[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
   positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
   _, draft_cache = drafter_forward(drafter, params, config, tokens, base.hidden_buf, positions,
-                                   draft_cache.replace(lengths=jnp.zeros_like(lengths)))
+                                   draft_cache.replace(lengths=jnp.zeros_like(lengths)),
+                                   attention_impl=attention_impl)
   rows = jnp.arange(b)
   pend_tokens = jnp.zeros((b, strategy.depth + 1), jnp.int32).at[:, 0].set(base.last_tokens)
   pend_hidden = jnp.zeros((b, strategy.depth + 1, config.hidden_size), base.hidden_buf.dtype)
@@ -88,7 +89,7 @@ def _propose(key, logits, k, sampled, sampling):
 
 
 def _grow_tree(key, params, drafter, head, vocab_ids, config, strategy, sampling,
-               state: SpecState):
+               attention_impl, state: SpecState):
   """Drafts `depth` levels of `topk` nodes. Node n sits at level n // topk (depth+1).
 
   Also returns, for a sampled chain, the draft distributions q [B, depth, Vd]."""
@@ -103,7 +104,7 @@ def _grow_tree(key, params, drafter, head, vocab_ids, config, strategy, sampling
   cache = state.draft_cache
   positions = cache.lengths[:, None] + jnp.arange(depth + 1)[None, :]
   hidden, cache = drafter_forward(drafter, params, config, state.pend_tokens, state.pend_hidden,
-                                  positions, cache)
+                                  positions, cache, attention_impl=attention_impl)
   cache = cache.advance(state.pend_count)
   committed = cache.lengths
   rows = jnp.arange(b)
@@ -126,7 +127,7 @@ def _grow_tree(key, params, drafter, head, vocab_ids, config, strategy, sampling
     out, cache = drafter_forward(drafter, params, config, level_tokens, level_hidden,
                                  level_positions,
                                  cache.replace(lengths=committed + (level - 1) * k),
-                                 cache_mask=cache_mask)
+                                 cache_mask=cache_mask, attention_impl=attention_impl)
     child_scores, child_ix, q = _propose(keys[level], draft_logits(head, out), k, sampled,
                                          sampling)                      # [B, k, k]
     draft_probs.append(None if q is None else q[:, 0])
@@ -205,7 +206,7 @@ def _accept_rejection_chain(key, logits, tokens, draft_probs, vocab_ids, samplin
 def spec_step(params: Params, drafter: DrafterParams, head: jax.Array,
               vocab_ids: jax.Array | None, state: SpecState, *, config: ModelConfig,
               strategy: SpecStrategy, sampling: SamplingParams, eos_ids: tuple[int, ...],
-              max_new_tokens: int) -> SpecState:
+              max_new_tokens: int, attention_impl: str = "auto") -> SpecState:
   """Draft a tree, verify it in one target pass, commit the accepted path plus a bonus."""
   base = state.base
   b, depth = base.last_tokens.shape[0], strategy.depth
@@ -213,13 +214,14 @@ def spec_step(params: Params, drafter: DrafterParams, head: jax.Array,
   live = ~base.done
   key, draft_key, accept_key = jax.random.split(base.key, 3)
   state, node_tokens, node_parents, node_scores, ancestors, draft_probs = _grow_tree(
-      draft_key, params, drafter, head, vocab_ids, config, strategy, sampling, state)
+      draft_key, params, drafter, head, vocab_ids, config, strategy, sampling, attention_impl,
+      state)
   tokens, node_depth, parents, mask = _select_verify_set(
       strategy, node_tokens, node_parents, node_scores, ancestors, base.last_tokens)
 
   committed = base.cache.lengths
   hidden, cache = forward(params, config, tokens, committed[:, None] + node_depth, base.cache,
-                          mask)
+                          mask, attention_impl=attention_impl)
   logits = lm_logits(params, config, hidden)                           # [B, V, vocab]
   if draft_probs is None:
     num_accepted, path, emitted = _accept_target_only(accept_key, logits, tokens, parents,
@@ -256,12 +258,13 @@ def spec_step(params: Params, drafter: DrafterParams, head: jax.Array,
 
 
 @functools.partial(jax.jit, static_argnames=("config", "strategy", "sampling", "eos_ids",
-                                             "max_new_tokens", "chunk_steps"),
+                                             "max_new_tokens", "chunk_steps",
+                                             "attention_impl"),
                    donate_argnames=("state",))
 def spec_chunk(params: Params, drafter: DrafterParams, vocab_ids: jax.Array | None,
                state: SpecState, *, config: ModelConfig, strategy: SpecStrategy,
                sampling: SamplingParams, eos_ids: tuple[int, ...], max_new_tokens: int,
-               chunk_steps: int) -> SpecState:
+               chunk_steps: int, attention_impl: str = "auto") -> SpecState:
   """Up to `chunk_steps` speculative steps in one program; stops when all rows are done."""
   head = draft_head(params, config, vocab_ids)
 
@@ -269,7 +272,7 @@ def spec_chunk(params: Params, drafter: DrafterParams, vocab_ids: jax.Array | No
     i, s = carry
     return i + 1, spec_step(params, drafter, head, vocab_ids, s, config=config,
                             strategy=strategy, sampling=sampling, eos_ids=eos_ids,
-                            max_new_tokens=max_new_tokens)
+                            max_new_tokens=max_new_tokens, attention_impl=attention_impl)
 
   def cond(carry):
     i, s = carry
