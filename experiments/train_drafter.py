@@ -1,0 +1,368 @@
+"""Warm up an EAGLE drafter on the target model's own responses.
+
+  python -m experiments.train_drafter --model=smollm2 --out=runs/drafter_smollm2 \
+      --num_prompts=384 --max_new_tokens=192 --temperature=0.8 --steps=300
+
+Prompts come from reasoning-gym tasks (generated offline from --seed) plus a few chat
+questions, wrapped in the model's chat template; the target samples a response to each.
+The corpus is cached in OUT/corpus.json after every generation batch, so a rerun or
+--resume skips generation and an interrupted generation continues where it stopped. OUT
+then holds the drafter files (see tlt_jax/drafter/trainer.py) and metrics.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from absl import flags, logging
+
+from experiments import cli
+from tlt_jax.errors import UserInputError
+
+_MODEL = flags.DEFINE_string("model", "smollm2", "HF dir, converted checkpoint dir, .gguf file, "
+                             "or 'smollm2'.")
+_OUT = flags.DEFINE_string("out", None, "Output dir: corpus cache, drafter files, metrics.")
+_TASKS = flags.DEFINE_list("tasks", ["gsm_symbolic", "basic_arithmetic", "chain_sum",
+                                     "leg_counting", "chat"],
+                           "reasoning-gym dataset names, and/or 'chat' for chat questions; "
+                           "prompts are spread evenly over them.")
+_NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 256, "Prompts to generate responses for.",
+                                    lower_bound=1)
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Response tokens per prompt.",
+                                lower_bound=1)
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 is greedy.",
+                                  lower_bound=0.0)
+_GEN_BATCH = flags.DEFINE_integer("gen_batch", 64, "Prompts per generate call.", lower_bound=1)
+_STEPS = flags.DEFINE_integer("steps", 300, "Total optimizer steps (resumed runs count the "
+                              "steps already taken).", lower_bound=1)
+_BATCH_ROWS = flags.DEFINE_integer("batch_rows", 8, "Packed rows per step.", lower_bound=1)
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 512, "Tokens per packed row.", lower_bound=2)
+_LR = flags.DEFINE_float("lr", 5e-4, "Peak learning rate.")
+_WARMUP = flags.DEFINE_integer("warmup_steps", None, "Linear warmup steps (default steps/20).",
+                               lower_bound=0)
+_DRAFT_VOCAB = flags.DEFINE_integer("draft_vocab_size", 16384, "Draft vocabulary: the most "
+                                    "frequent response tokens; 0 keeps the full vocabulary.",
+                                    lower_bound=0)
+_SEED = flags.DEFINE_integer("seed", 0, "Seed for prompts, sampling, init and batch order.")
+_RESUME = flags.DEFINE_bool("resume", False, "Continue training from OUT's drafter checkpoint.")
+_LOG_EVERY = flags.DEFINE_integer("log_every", 10, "Steps per progress line.", lower_bound=1)
+_SAVE_EVERY = flags.DEFINE_integer("save_every", 100, "Steps between checkpoints.",
+                                   lower_bound=1)
+_EVAL_EVERY = flags.DEFINE_integer("eval_every", 50, "Steps between held-out evaluations "
+                                   "(every 20th sample is held out once there are 20).",
+                                   lower_bound=1)
+flags.mark_flags_as_required(["out"])
+flags.register_validator("lr", lambda v: v > 0, message="--lr must be > 0")
+flags.register_multi_flags_validator(
+    ["warmup_steps", "steps"],
+    lambda f: f["warmup_steps"] is None or f["warmup_steps"] <= f["steps"],
+    message="--warmup_steps must be <= --steps")
+
+CORPUS = "corpus.json"
+METRICS = "metrics.json"
+REASONING_SUFFIX = "\nThink step by step, then give the final answer."
+CHAT_QUESTIONS = (
+    "Why is the sky blue?",
+    "Give me three tips for staying focused while studying.",
+    "What is the difference between weather and climate?",
+    "Explain what a prime number is, with examples.",
+    "Write a short poem about the ocean.",
+    "How do plants make their food?",
+    "What are the main causes of the seasons on Earth?",
+    "Summarize the story of Cinderella in a few sentences.",
+    "How does a refrigerator keep food cold?",
+    "What is a healthy breakfast, and why?",
+    "Explain recursion to a beginner programmer.",
+    "What should I pack for a weekend hiking trip?",
+    "Why do we have leap years?",
+    "Describe how a bill becomes a law.",
+    "What is the Pythagorean theorem used for?",
+    "How can I make my emails more polite?",
+)
+# Precomputed target hidden states are kept on the host up to this size; beyond it each
+# step runs the target forward itself.
+_HIDDEN_CACHE_BYTES = 4 << 30
+
+
+def log(message: str) -> None:
+  print(message, file=sys.stderr, flush=True)
+
+
+def validate_tasks(tasks: list[str]) -> None:
+  from reasoning_gym.factory import DATASETS
+  unknown = [t for t in tasks if t != "chat" and t not in DATASETS]
+  if unknown:
+    raise UserInputError(f"--tasks: unknown task {unknown[0]!r} (use reasoning-gym dataset "
+                         "names or 'chat')")
+  if not tasks:
+    raise UserInputError("--tasks: empty")
+
+
+def build_questions(tasks: list[str], num_prompts: int, seed: int) -> list[tuple[str, str]]:
+  """(task, question) pairs, tasks interleaved round robin; deterministic in `seed`."""
+  import reasoning_gym
+
+  counts = {t: len(range(i, num_prompts, len(tasks))) for i, t in enumerate(tasks)}
+  pools = {}
+  for i, task in enumerate(tasks):
+    if task == "chat":
+      pools[task] = [CHAT_QUESTIONS[k % len(CHAT_QUESTIONS)] for k in range(counts[task])]
+    elif counts[task]:
+      dataset = reasoning_gym.create_dataset(task, size=counts[task], seed=seed + i)
+      pools[task] = [dataset[k]["question"] + REASONING_SUFFIX for k in range(counts[task])]
+  return [(tasks[i % len(tasks)], pools[tasks[i % len(tasks)]][i // len(tasks)])
+          for i in range(num_prompts)]
+
+
+def load_or_generate_corpus(model, out_dir: str) -> dict:
+  """The cached corpus if it was made with these settings, completed if it is partial."""
+  from tlt_jax.rollout.engine import generate
+  from tlt_jax.rollout.sampling import SamplingParams
+
+  settings = {"model": _MODEL.value, "tasks": _TASKS.value, "num_prompts": _NUM_PROMPTS.value,
+              "max_new_tokens": _MAX_NEW.value, "temperature": _TEMPERATURE.value,
+              "seed": _SEED.value}
+  path = os.path.join(out_dir, CORPUS)
+  corpus = {"settings": settings, "samples": [], "skipped_prompts": 0, "generate_s": 0.0}
+  if os.path.isfile(path):
+    cached = _read_json(path)
+    if cached.get("settings") == settings and isinstance(cached.get("samples"), list):
+      corpus = cached
+      log(f"cached corpus {path}: {len(corpus['samples'])} samples")
+    else:
+      log(f"{path} was made with other settings; generating a new corpus")
+
+  tokenizer = model.require_tokenizer()
+  config = model.config
+  prompts = []
+  for task, question in build_questions(_TASKS.value, _NUM_PROMPTS.value, _SEED.value):
+    ids = tokenizer.chat_prompt(question)
+    if len(ids) + _MAX_NEW.value <= config.max_position_embeddings:
+      prompts.append((task, ids))
+  if not prompts:
+    raise UserInputError(f"--max_new_tokens={_MAX_NEW.value}: no prompt fits the model's "
+                         f"max_position_embeddings {config.max_position_embeddings}")
+  corpus["skipped_prompts"] = _NUM_PROMPTS.value - len(prompts)
+  eos_ids = tuple(sorted(set(config.eos_token_ids) | set(tokenizer.eos_token_ids)))
+  sampling = SamplingParams(temperature=_TEMPERATURE.value)
+  while len(corpus["samples"]) < len(prompts):
+    start = len(corpus["samples"])
+    chunk = prompts[start:start + _GEN_BATCH.value]
+    began = time.perf_counter()
+    result = generate(model.params, config, [ids for _, ids in chunk],
+                      max_new_tokens=_MAX_NEW.value, sampling=sampling, eos_ids=eos_ids,
+                      seed=_SEED.value + start)
+    corpus["generate_s"] += time.perf_counter() - began
+    for (task, ids), out in zip(chunk, result.outputs):
+      corpus["samples"].append({"task": task, "prompt_ids": ids, "response_ids": out.token_ids,
+                                "finish_reason": out.finish_reason})
+    cli.write_json_atomic(path, corpus)
+    tokens = sum(len(s["response_ids"]) for s in corpus["samples"])
+    log(f"generated {len(corpus['samples'])}/{len(prompts)} responses, {tokens} tokens, "
+        f"{result.stats['tokens_per_s']:.0f} tokens/s in the last batch")
+  return corpus
+
+
+def _read_json(path: str):
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise UserInputError(f"{path}: cannot read ({e})") from None
+
+
+def _rows_hidden(target_params, rows, batch_rows: int, config):
+  """Target hidden states for every packed row, computed once (the target is frozen)."""
+  import jax
+  import numpy as np
+
+  from tlt_jax.drafter import trainer
+
+  out = np.zeros(rows.tokens.shape + (config.hidden_size,), np.float32)
+  for start in range(0, rows.num_rows, batch_rows):
+    idx = np.arange(start, start + batch_rows) % rows.num_rows  # fixed shape: wrap around
+    chunk = jax.tree.map(lambda a: a[idx], rows)
+    hidden = np.asarray(trainer.target_hidden(target_params, chunk, config=config))
+    n = min(batch_rows, rows.num_rows - start)
+    out[start:start + n] = hidden[:n]
+  return out
+
+
+def _batch_indices(step: int, batch_rows: int, num_rows: int, seed: int):
+  """Rows of `step`: a fresh permutation per epoch, so resumed runs see the same order."""
+  import numpy as np
+  flat = np.arange(step * batch_rows, (step + 1) * batch_rows)
+  epochs = flat // num_rows
+  perms = {e: np.random.default_rng([seed, e]).permutation(num_rows) for e in set(epochs)}
+  return np.array([perms[e][i % num_rows] for e, i in zip(epochs, flat)])
+
+
+def _evaluate(drafter_params, target_params, rows, hidden, vocab, config, batch_rows):
+  """Slot-weighted metrics over all `rows`."""
+  import jax
+  import numpy as np
+
+  from tlt_jax.drafter import trainer
+
+  totals, slots = {}, 0.0
+  for start in range(0, rows.num_rows, batch_rows):
+    idx = np.arange(start, start + batch_rows) % rows.num_rows  # fixed shape: wrap around
+    chunk = jax.tree.map(lambda a: a[idx], rows)
+    counted = (np.arange(start, start + batch_rows) < rows.num_rows).astype(np.float32)
+    chunk = chunk.replace(loss_mask=chunk.loss_mask * counted[:, None])  # wrapped rows: 0
+    metrics = jax.device_get(trainer.eval_step(
+        drafter_params, target_params, chunk, vocab,
+        None if hidden is None else hidden[idx], config=config))
+    n = float(metrics["trained_slots"])
+    slots += n
+    for k in ("loss", "smooth_l1", "soft_ce", "top1_acc"):
+      totals[k] = totals.get(k, 0.0) + float(metrics[k]) * n
+  return {k: v / max(slots, 1.0) for k, v in totals.items()} | {"slots": int(slots)}
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise UserInputError(f"unexpected arguments: {' '.join(argv[1:])}")
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # orbax logs every step of a save at INFO
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from tlt_jax.drafter import packing, trainer
+  from tlt_jax.models import drafter
+  from tlt_jax.models.loading import load_model
+
+  out_dir = _OUT.value
+  if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+    raise UserInputError(f"--out={out_dir}: exists and is not a directory")
+  has_checkpoint = os.path.isdir(os.path.join(out_dir, trainer.CHECKPOINT))
+  if _RESUME.value and not has_checkpoint:
+    raise UserInputError(f"--resume: {out_dir} has no drafter checkpoint")
+  validate_tasks(_TASKS.value)
+  os.makedirs(out_dir, exist_ok=True)
+
+  log(f"loading {_MODEL.value} ...")
+  model = load_model(_MODEL.value, dtype=jnp.float32)
+  config = model.config
+  if _DRAFT_VOCAB.value > config.vocab_size:
+    raise UserInputError(f"--draft_vocab_size={_DRAFT_VOCAB.value}: exceeds the model's "
+                         f"vocabulary of {config.vocab_size}")
+  corpus = load_or_generate_corpus(model, out_dir)
+  samples = corpus["samples"]
+  # Every 20th sample is held out to measure the drafter on responses it never saw.
+  is_held_out = lambda i: len(samples) >= 20 and i % 20 == 19
+  held_out = [s for i, s in enumerate(samples) if is_held_out(i)]
+  train = [s for i, s in enumerate(samples) if not is_held_out(i)]
+  as_pairs = lambda ss: [(s["prompt_ids"] + s["response_ids"], len(s["prompt_ids"])) for s in ss]
+  train_rows = packing.pack_samples(as_pairs(train), _SEQ_LEN.value)
+  eval_rows = packing.pack_samples(as_pairs(held_out), _SEQ_LEN.value) if held_out else None
+
+  if _RESUME.value:
+    _, vocab = trainer.load_drafter(out_dir, config)
+    stored = 0 if vocab is None else len(vocab)
+    if stored != _DRAFT_VOCAB.value:
+      raise UserInputError(f"--draft_vocab_size={_DRAFT_VOCAB.value}: the checkpoint in "
+                           f"{out_dir} has {stored}")
+  elif _DRAFT_VOCAB.value:
+    vocab = trainer.select_draft_vocab([s["response_ids"] for s in train], _DRAFT_VOCAB.value,
+                                       vocab_size=config.vocab_size)
+  else:
+    vocab = None
+  responses = lambda ss: np.concatenate(
+      [np.zeros((0,), np.int64)] + [np.asarray(s["response_ids"], np.int64) for s in ss])
+  response_tokens = responses(samples)
+  # Measured on held-out responses when there are any: the draft vocabulary saw the rest.
+  coverage_on = responses(held_out) if held_out else response_tokens
+  coverage = 1.0 if vocab is None else float(np.isin(coverage_on, vocab).mean())
+  log(f"corpus: {len(train)} train + {len(held_out)} held-out samples, "
+      f"{response_tokens.size} response tokens; {train_rows.num_rows} rows x {_SEQ_LEN.value}; "
+      f"draft vocab {'full' if vocab is None else len(vocab)} covers {coverage:.1%} of "
+      f"{'held-out ' if held_out else ''}response tokens")
+  vocab_device = None if vocab is None else jnp.asarray(vocab)
+
+  row_bytes = _SEQ_LEN.value * config.hidden_size * 4
+  precompute = row_bytes * (train_rows.num_rows + (eval_rows.num_rows if eval_rows else 0)) \
+      <= _HIDDEN_CACHE_BYTES
+  train_hidden = eval_hidden = None
+  if precompute:
+    began = time.perf_counter()
+    train_hidden = _rows_hidden(model.params, train_rows, _BATCH_ROWS.value, config)
+    if eval_rows is not None:
+      eval_hidden = _rows_hidden(model.params, eval_rows, _BATCH_ROWS.value, config)
+    log(f"target hidden states for all rows: {time.perf_counter() - began:.0f}s")
+
+  warmup = _STEPS.value // 20 if _WARMUP.value is None else _WARMUP.value
+  optimizer = trainer.make_optimizer(_LR.value, _STEPS.value, warmup)
+  state = trainer.init_train_state(
+      drafter.init_drafter_params(config, jax.random.key(_SEED.value)), optimizer)
+  history, evals = [], []
+  if _RESUME.value:
+    state = trainer.restore_train_state(out_dir, state)
+    if os.path.isfile(os.path.join(out_dir, METRICS)):
+      previous = _read_json(os.path.join(out_dir, METRICS))
+      history, evals = previous.get("history", []), previous.get("held_out_history", [])
+    log(f"resumed at step {int(state.step)}")
+  elif has_checkpoint:
+    log(f"{out_dir} holds a drafter; training a new one over it (use --resume to continue)")
+
+  def evaluate(step: int) -> None:
+    metrics = _evaluate(state.params, model.params, eval_rows, eval_hidden, vocab_device,
+                        config, _BATCH_ROWS.value)
+    evals.append(metrics | {"step": step})
+    log(f"step {step} held-out: loss {metrics['loss']:.4f} top1 {metrics['top1_acc']:.3f} "
+        f"over {metrics['slots']} slots")
+
+  save = lambda: trainer.save_drafter(out_dir, state, vocab, config, target_source=_MODEL.value)
+  window, began = [], time.perf_counter()
+  for step in range(int(state.step), _STEPS.value):
+    idx = _batch_indices(step, _BATCH_ROWS.value, train_rows.num_rows, _SEED.value)
+    batch = jax.tree.map(lambda a: a[idx], train_rows)
+    hidden = None if train_hidden is None else train_hidden[idx]
+    state, metrics = trainer.train_step(state, model.params, batch, vocab_device, hidden,
+                                        config=config, optimizer=optimizer)
+    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    window.append(metrics | {"tokens": int((batch.segment_ids > 0).sum())})
+    done = step + 1
+    if done % _LOG_EVERY.value == 0 or done == _STEPS.value:
+      elapsed = time.perf_counter() - began
+      record = {k: float(np.mean([m[k] for m in window])) for k in window[0]} | {
+          "step": done, "tokens_per_s": sum(m["tokens"] for m in window) / elapsed}
+      history.append(record)
+      log(f"step {done}/{_STEPS.value} loss {record['loss']:.4f} "
+          f"(l1 {record['smooth_l1']:.4f} ce {record['soft_ce']:.3f}) "
+          f"top1 {record['top1_acc']:.3f} grad {record['grad_norm']:.2f} "
+          f"{record['tokens_per_s']:.0f} tokens/s")
+      window = []
+    if eval_rows is not None and (done % _EVAL_EVERY.value == 0 or done == _STEPS.value):
+      evaluate(done)
+    if done % _SAVE_EVERY.value == 0 and done < _STEPS.value:
+      save()
+    if not window:
+      began = time.perf_counter()  # evaluation and saving stay out of tokens/s
+  save()
+  if eval_rows is not None and (not evals or evals[-1]["step"] != int(state.step)):
+    evaluate(int(state.step))
+
+  lengths = [len(s["response_ids"]) for s in samples]
+  cli.write_json_atomic(os.path.join(out_dir, METRICS), {
+      "step": int(state.step), "model": _MODEL.value,
+      "train": history[-1] if history else None, "held_out": evals[-1] if evals else None,
+      "history": history, "held_out_history": evals,
+      "corpus": {"samples": len(samples), "train_samples": len(train),
+                 "held_out_samples": len(held_out), "train_rows": train_rows.num_rows,
+                 "response_tokens": int(response_tokens.size),
+                 "response_len_mean": float(np.mean(lengths)),
+                 "eos_frac": float(np.mean([s["finish_reason"] == "eos" for s in samples])),
+                 "skipped_prompts": corpus["skipped_prompts"],
+                 "generate_s": corpus["generate_s"]},
+      "draft_vocab_size": None if vocab is None else len(vocab),
+      "draft_vocab_coverage": coverage,
+  })
+  log(f"wrote {out_dir}: drafter at step {int(state.step)}")
+
+
+if __name__ == "__main__":
+  cli.run(main)

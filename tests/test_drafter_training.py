@@ -1,0 +1,220 @@
+"""Drafter training: packing keeps samples apart, the loss trains, files round-trip, CLI."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tlt_jax.drafter import packing, trainer
+from tlt_jax.drafter.losses import eagle_loss
+from tlt_jax.errors import UserInputError
+from tlt_jax.models import drafter, transformer
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.kv_cache import init_cache
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=64,
+                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                     max_position_embeddings=256, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def target_params():
+  return transformer.init_params(CONFIG, jax.random.key(0))
+
+
+def _samples(seed, count, min_len=6, max_len=20):
+  rng = np.random.default_rng(seed)
+  samples = []
+  for _ in range(count):
+    n = int(rng.integers(min_len, max_len + 1))
+    samples.append((rng.integers(3, CONFIG.vocab_size, n).tolist(), int(rng.integers(1, n))))
+  return samples
+
+
+def test_packing_layout():
+  samples = [([5, 6, 7, 8, 9], 2), ([10, 11, 12], 1), ([13, 14], 2), (list(range(20, 40)), 3)]
+  rows = packing.pack_samples(samples, seq_len=10)
+  # The 20-token sample is truncated to 10 tokens; the prompt-only one is dropped.
+  assert rows.num_rows == 2
+  np.testing.assert_array_equal(rows.tokens[0], list(range(20, 30)))
+  np.testing.assert_array_equal(rows.loss_mask[0], [0, 0, 1, 1, 1, 1, 1, 1, 1, 0])
+  np.testing.assert_array_equal(rows.tokens[1], [5, 6, 7, 8, 9, 10, 11, 12, 0, 0])
+  np.testing.assert_array_equal(rows.segment_ids[1], [1, 1, 1, 1, 1, 2, 2, 2, 0, 0])
+  np.testing.assert_array_equal(rows.positions[1], [0, 1, 2, 3, 4, 0, 1, 2, 0, 0])
+  # Slots j with x_{j+1} in the response: prompt_len - 1 .. len - 2 of each sample.
+  np.testing.assert_array_equal(rows.loss_mask[1], [0, 1, 1, 1, 0, 1, 1, 0, 0, 0])
+  mask = rows.new_mask[1]
+  assert mask[6, 5] and not mask[5, 4] and not mask[4, 5] and not mask[2, 3]
+  assert not mask[:8, 8:].any() and not mask[8:, :8].any()
+
+
+def test_packed_rows_match_samples_run_alone(target_params):
+  samples = _samples(1, 7)
+  rows = packing.pack_samples(samples, seq_len=48)
+  assert rows.num_rows < len(samples)  # really packed
+  hidden = trainer.target_hidden(target_params, rows, config=CONFIG)
+  drafter_params = drafter.init_drafter_params(CONFIG, jax.random.key(1))
+  tokens, _ = trainer.drafter_pairs(rows, hidden)
+  b, t = rows.tokens.shape
+  pred, _ = drafter.drafter_forward(drafter_params, target_params, CONFIG, tokens, hidden,
+                                    rows.positions, drafter.init_drafter_cache(CONFIG, b, t),
+                                    rows.new_mask)
+  # Each sample alone, right-padded in a batch of its own: causal, so padding after a
+  # sample cannot change it.
+  alone_tokens = np.zeros((len(samples), t), np.int32)
+  segments = [(r, np.flatnonzero(rows.segment_ids[r] == s))
+              for r in range(rows.num_rows) for s in range(1, rows.segment_ids[r].max() + 1)]
+  assert len(segments) == len(samples)
+  for i, (r, where) in enumerate(segments):
+    alone_tokens[i, :len(where)] = rows.tokens[r, where]
+  alone_positions = jnp.broadcast_to(jnp.arange(t), alone_tokens.shape)
+  alone, _ = jax.jit(transformer.forward, static_argnums=1)(
+      target_params, CONFIG, jnp.asarray(alone_tokens), alone_positions,
+      init_cache(CONFIG, len(samples), t))
+  # The drafter over each sample alone: (h_j, x_{j+1}) at slot j.
+  alone_next = jnp.pad(jnp.asarray(alone_tokens[:, 1:]), ((0, 0), (0, 1)))
+  alone_pred, _ = jax.jit(drafter.drafter_forward, static_argnums=2)(
+      drafter_params, target_params, CONFIG, alone_next, alone, alone_positions,
+      drafter.init_drafter_cache(CONFIG, len(samples), t))
+  for i, (r, where) in enumerate(segments):
+    n = len(where)
+    np.testing.assert_allclose(hidden[r, where], alone[i, :n], atol=1e-5)
+    np.testing.assert_allclose(pred[r, where[:-1]], alone_pred[i, :n - 1], atol=1e-5)
+
+
+def test_reduced_vocab_loss_is_restricted_target_distribution():
+  keys = jax.random.split(jax.random.key(2), 3)
+  pred, target = (jax.random.normal(k, (2, 5, 8)) for k in keys[:2])
+  head = jax.random.normal(keys[2], (8, 12))
+  weights = jnp.ones((2, 5))
+  perm = jnp.asarray([3, 0, 7, 11, 5])
+  loss, metrics = eagle_loss(pred, target, head[:, perm], weights)
+  p = jax.nn.softmax(target @ head, axis=-1)[..., perm]
+  p = p / p.sum(-1, keepdims=True)
+  q = jax.nn.log_softmax(pred @ head[:, perm], axis=-1)
+  np.testing.assert_allclose(metrics["soft_ce"], -(p * q).sum(-1).mean(), rtol=1e-5)
+  assert np.isfinite(float(loss))
+  zero_loss, zero = eagle_loss(pred, target, head, jnp.zeros((2, 5)))
+  assert float(zero_loss) == 0.0 and float(zero["trained_slots"]) == 0.0
+
+
+def test_training_overfits_small_corpus(target_params):
+  rows = packing.pack_samples(_samples(3, 6), seq_len=64)
+  vocab = jnp.asarray(trainer.select_draft_vocab([rows.tokens], 48, vocab_size=96))
+  optimizer = trainer.make_optimizer(3e-3, total_steps=30, warmup_steps=3)
+  state = trainer.init_train_state(drafter.init_drafter_params(CONFIG, jax.random.key(4)),
+                                   optimizer)
+  history = []
+  for _ in range(30):
+    state, metrics = trainer.train_step(state, target_params, rows, vocab, config=CONFIG,
+                                        optimizer=optimizer)
+    history.append(jax.device_get(metrics))
+  losses = [m["loss"] for m in history]
+  assert all(np.isfinite(losses))
+  assert np.mean(losses[-3:]) < 0.5 * np.mean(losses[:3])
+  assert history[-1]["top1_acc"] > history[0]["top1_acc"] + 0.2
+  assert int(state.step) == 30
+  # Hidden states handed in (as the rollout keeps them) give what the target forward gives.
+  hidden = trainer.target_hidden(target_params, rows, config=CONFIG)
+  final = trainer.eval_step(state.params, target_params, rows, vocab, config=CONFIG)
+  given = trainer.eval_step(state.params, target_params, rows, vocab, hidden, config=CONFIG)
+  np.testing.assert_allclose(final["loss"], given["loss"], rtol=1e-6)
+  assert float(final["loss"]) <= losses[-1] * 1.05
+
+
+def test_select_draft_vocab():
+  ids = trainer.select_draft_vocab([[5, 5, 9, 9, 9], [7, 5]], 4, vocab_size=12)
+  np.testing.assert_array_equal(ids, [0, 5, 7, 9])  # 0 fills the unseen slot, lowest id
+  with pytest.raises(UserInputError, match="--draft_vocab_size"):
+    trainer.select_draft_vocab([[1]], 13, vocab_size=12)
+
+
+def test_save_load_round_trip(tmp_path, target_params):
+  optimizer = trainer.make_optimizer(1e-3, total_steps=4)
+  state = trainer.init_train_state(drafter.init_drafter_params(CONFIG, jax.random.key(5)),
+                                   optimizer)
+  rows = packing.pack_samples(_samples(6, 3), seq_len=32)
+  state, _ = trainer.train_step(state, target_params, rows, config=CONFIG, optimizer=optimizer)
+  vocab = np.arange(0, 96, 2, dtype=np.int32)
+  out = str(tmp_path / "drafter")
+  os.makedirs(out)
+  with open(os.path.join(out, "corpus.json"), "w") as f:
+    f.write("{}")
+  trainer.save_drafter(out, state, vocab, CONFIG, target_source="tiny")
+  trainer.save_drafter(out, state, vocab, CONFIG)  # overwrites in place
+  assert os.path.isfile(os.path.join(out, "corpus.json"))
+  assert not [p for p in os.listdir(out) if ".tmp-" in p]
+
+  params, loaded_vocab = trainer.load_drafter(out, CONFIG)
+  np.testing.assert_array_equal(loaded_vocab, vocab)
+  assert jax.tree.structure(params) == jax.tree.structure(state.params)
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(state.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  fresh = trainer.init_train_state(drafter.init_drafter_params(CONFIG, jax.random.key(9)),
+                                   optimizer)
+  restored = trainer.restore_train_state(out, fresh)
+  assert int(restored.step) == 1
+  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with open(os.path.join(out, trainer.CONFIG)) as f:
+    exported = json.load(f)
+  assert exported["draft_vocab_size"] == 48 and exported["target"]["hidden_size"] == 32
+
+
+def test_load_drafter_rejects_other_model(tmp_path):
+  out = str(tmp_path / "drafter")
+  params = drafter.init_drafter_params(CONFIG, jax.random.key(7))
+  trainer.save_drafter(out, params, np.arange(90, dtype=np.int32), CONFIG)
+  wider = dataclasses.replace(CONFIG, hidden_size=48)
+  with pytest.raises(UserInputError, match=r"drafter.safetensors: tensor fc.weight"):
+    trainer.load_drafter(out, wider)
+  smaller_vocab = dataclasses.replace(CONFIG, vocab_size=64)
+  with pytest.raises(UserInputError, match=r"tensor draft_vocab"):
+    trainer.load_drafter(out, smaller_vocab)
+  trainer.save_drafter(out, params, None, CONFIG)
+  with pytest.raises(UserInputError, match=r"target.vocab_size"):
+    trainer.load_drafter(out, smaller_vocab)
+  with pytest.raises(UserInputError, match="no optimizer state"):
+    trainer.restore_train_state(
+        out, trainer.init_train_state(params, trainer.make_optimizer(1e-3, total_steps=2)))
+  with pytest.raises(UserInputError, match="missing"):
+    trainer.load_drafter(str(tmp_path), CONFIG)
+
+
+def _cli(*args, timeout=240):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", "experiments.train_drafter", *args],
+                        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_trains_and_resumes(tiny_hf_dirs, tmp_path):
+  out = str(tmp_path / "run")
+  # 20 prompts: the fewest for which one sample is held out and evaluated.
+  flags = [f"--model={tiny_hf_dirs['llama']}", f"--out={out}", "--num_prompts=20",
+           "--tasks=basic_arithmetic,chat", "--max_new_tokens=8", "--batch_rows=2",
+           "--seq_len=128", "--draft_vocab_size=64", "--log_every=1", "--eval_every=2"]
+  first = _cli(*flags, "--steps=2")
+  assert first.returncode == 0, first.stderr[-2000:]
+  for name in ("corpus.json", "metrics.json", trainer.WEIGHTS, trainer.CONFIG):
+    assert os.path.isfile(os.path.join(out, name)), name
+  resumed = _cli(*flags, "--steps=4", "--resume")
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  assert "cached corpus" in resumed.stderr and "resumed at step 2" in resumed.stderr
+  with open(os.path.join(out, "metrics.json")) as f:
+    metrics = json.load(f)
+  assert metrics["step"] == 4 and [e["step"] for e in metrics["held_out_history"]] == [2, 4]
+  assert np.isfinite(metrics["held_out"]["loss"]) and metrics["corpus"]["held_out_samples"] == 1
+  _, vocab = trainer.load_drafter(out, ModelConfig.from_hf_dir(tiny_hf_dirs["llama"]))
+  assert len(vocab) == 64
+
+
+def test_cli_bad_flag_exits_2(tmp_path):
+  result = _cli("--model=smollm2", f"--out={tmp_path}", "--lr=-1")
+  assert result.returncode == 2
+  assert result.stderr.strip().count("\n") == 0 and "--lr" in result.stderr

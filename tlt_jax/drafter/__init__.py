@@ -1,0 +1,1 @@
+"""EAGLE drafter training: packing, the loss, the train step and drafter files."""

@@ -1,0 +1,94 @@
+"""Packs variable-length samples into fixed [rows, seq_len] drafter training rows.
+
+Fixed shapes keep the train step to one compiled program. Each sample in a row keeps its
+own segment id, its positions restart at 0 and attention is block-diagonal causal, so a
+packed row computes exactly what each sample would alone (the reference implementation let
+packed samples attend to one another). Pure numpy: packing runs on the host.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import flax.struct
+import numpy as np
+
+from tlt_jax.errors import UserInputError
+
+
+@flax.struct.dataclass
+class PackedRows:
+  """Rows of packed samples; a pytree, so `jax.tree.map(lambda a: a[idx], rows)` batches."""
+  tokens: np.ndarray       # [R, T] int32; 0 on padding
+  positions: np.ndarray    # [R, T] int32; position within the sample
+  segment_ids: np.ndarray  # [R, T] int32; 1, 2, ... per sample in the row, 0 on padding
+  loss_mask: np.ndarray    # [R, T] float32; 1 on drafter slots j whose input x_{j+1} is a
+                           # response token of the same sample
+
+  @property
+  def num_rows(self) -> int:
+    return self.tokens.shape[0]
+
+  @property
+  def new_mask(self):
+    """[R, T, T] block-diagonal causal mask (numpy or jax, as the fields are)."""
+    return block_causal_mask(self.segment_ids)
+
+
+def block_causal_mask(segment_ids):
+  """Token i sees token j iff j <= i in the same segment; plain operators, so it works on
+  numpy arrays and jax tracers alike."""
+  index = np.arange(segment_ids.shape[-1])
+  causal = index[:, None] >= index[None, :]
+  return (segment_ids[..., :, None] == segment_ids[..., None, :]) & causal
+
+
+def response_slots(length: int, prompt_len: int) -> range:
+  """Drafter slots j (consuming h_j, x_{j+1}) trained for a sample: x_{j+1} is a response
+  token, which is exactly the slots a rollout drafts from."""
+  return range(max(prompt_len - 1, 0), length - 1)
+
+
+def pack_samples(samples: Sequence[tuple[Sequence[int], int]], seq_len: int) -> PackedRows:
+  """Packs (token_ids, prompt_len) samples first-fit, longest first.
+
+  Samples longer than `seq_len` keep their first `seq_len` tokens; samples left without a
+  response token are dropped.
+  """
+  if seq_len < 2:
+    raise UserInputError(f"--seq_len={seq_len}: must be >= 2")
+  kept = []
+  for ids, prompt_len in samples:
+    ids = list(ids)[:seq_len]
+    if prompt_len < len(ids):
+      kept.append((ids, prompt_len))
+  if not kept:
+    raise UserInputError("drafter corpus: no sample has a response token to train on")
+  kept.sort(key=lambda s: -len(s[0]))  # stable: equal lengths keep their order
+
+  rows: list[list[tuple[list[int], int]]] = []
+  free: list[int] = []
+  for sample in kept:
+    n = len(sample[0])
+    slot = next((r for r, room in enumerate(free) if room >= n), None)
+    if slot is None:
+      rows.append([])
+      free.append(seq_len)
+      slot = len(rows) - 1
+    rows[slot].append(sample)
+    free[slot] -= n
+
+  shape = (len(rows), seq_len)
+  tokens, positions, segment_ids = (np.zeros(shape, np.int32) for _ in range(3))
+  loss_mask = np.zeros(shape, np.float32)
+  for r, row in enumerate(rows):
+    start = 0
+    for segment, (ids, prompt_len) in enumerate(row, start=1):
+      end = start + len(ids)
+      tokens[r, start:end] = ids
+      positions[r, start:end] = np.arange(len(ids))
+      segment_ids[r, start:end] = segment
+      slots = response_slots(len(ids), prompt_len)
+      loss_mask[r, start + slots.start:start + slots.stop] = 1.0
+      start = end
+  return PackedRows(tokens=tokens, positions=positions, segment_ids=segment_ids,
+                    loss_mask=loss_mask)

@@ -1,0 +1,329 @@
+"""Drafter training: the train state, optimizer, jitted train step, draft vocabulary and
+drafter files.
+
+A step trains on packed rows (see packing.py). The target's hidden states come either from
+the caller (the rollout keeps the ones it computed anyway) or from one target forward over
+the packed rows; no gradient flows into the target, whose embedding and head the drafter
+only borrows.
+
+Files in a drafter dir:
+  checkpoint/state/       orbax: drafter params (+ optimizer state and step when saved from
+                          a TrainState), to resume training exactly
+  drafter.safetensors     deployable weights, HF EAGLE names, nn.Linear [out, in] layout,
+                          plus `draft_vocab` (int64 target ids) with a reduced vocabulary
+  drafter_config.json     drafter shapes and the identity of the target it was trained on
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import tempfile
+from typing import Any, Iterable, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import safetensors
+import safetensors.numpy
+from etils import epath
+
+from tlt_jax.drafter.losses import CE_WEIGHT, eagle_loss
+from tlt_jax.drafter.packing import PackedRows
+from tlt_jax.errors import UserInputError
+from tlt_jax.models import transformer
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.drafter import (DrafterParams, draft_head, drafter_forward,
+                                    init_drafter_cache, init_drafter_params)
+from tlt_jax.models.hf import atomic_output_dir
+from tlt_jax.models.kv_cache import init_cache
+
+CHECKPOINT = "checkpoint"
+STATE = "state"
+WEIGHTS = "drafter.safetensors"
+CONFIG = "drafter_config.json"
+DRAFT_VOCAB = "draft_vocab"
+
+# Drafter param -> (exported name, transposed). Params are [in, out], nn.Linear [out, in];
+# layer tensors drop the leading layer axis (the drafter has exactly one layer).
+_EXPORT_NAMES = {
+    ("fc",): ("fc.weight", True),
+    ("fc_bias",): ("fc.bias", False),
+    ("layers", "wq"): ("layers.0.self_attn.q_proj.weight", True),
+    ("layers", "wk"): ("layers.0.self_attn.k_proj.weight", True),
+    ("layers", "wv"): ("layers.0.self_attn.v_proj.weight", True),
+    ("layers", "wo"): ("layers.0.self_attn.o_proj.weight", True),
+    ("layers", "mlp_norm"): ("layers.0.post_attention_layernorm.weight", False),
+    ("layers", "w_gate"): ("layers.0.mlp.gate_proj.weight", True),
+    ("layers", "w_up"): ("layers.0.mlp.up_proj.weight", True),
+    ("layers", "w_down"): ("layers.0.mlp.down_proj.weight", True),
+}
+# Target fields a drafter depends on beyond its tensor shapes.
+_TARGET_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "rope_theta")
+
+
+@flax.struct.dataclass
+class TrainState:
+  params: DrafterParams
+  opt_state: optax.OptState
+  step: jax.Array            # int32: optimizer steps taken
+
+
+def init_train_state(params: DrafterParams, optimizer: optax.GradientTransformation
+                     ) -> TrainState:
+  return TrainState(params=params, opt_state=optimizer.init(params), step=jnp.int32(0))
+
+
+def make_optimizer(lr: float, total_steps: int, warmup_steps: int = 0,
+                   min_lr_ratio: float = 0.1, weight_decay: float = 0.01,
+                   clip_norm: float = 1.0) -> optax.GradientTransformation:
+  """AdamW(b1 .9, b2 .95) after global-norm clipping, on a warmup + cosine schedule."""
+  if not lr > 0:
+    raise UserInputError(f"--lr={lr}: must be > 0")
+  if total_steps < 1:
+    raise UserInputError(f"--steps={total_steps}: must be >= 1")
+  if not 0 <= warmup_steps <= total_steps:
+    raise UserInputError(f"--warmup_steps={warmup_steps}: must be in [0, {total_steps}]")
+  if warmup_steps:
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=lr, warmup_steps=warmup_steps, decay_steps=total_steps,
+        end_value=lr * min_lr_ratio)
+  else:  # optax warns on a zero-step warmup
+    schedule = optax.cosine_decay_schedule(lr, total_steps, alpha=min_lr_ratio)
+  return optax.chain(optax.clip_by_global_norm(clip_norm),
+                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay))
+
+
+# ---- the step ----------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def target_hidden(target_params: transformer.Params, batch: PackedRows, *,
+                  config: ModelConfig) -> jax.Array:
+  """The target's post-norm hidden states [B, T, E] for packed rows, samples kept apart."""
+  b, t = batch.tokens.shape
+  cache = init_cache(config, b, t, target_params["embed"].dtype)
+  hidden, _ = transformer.forward(target_params, config, batch.tokens, batch.positions, cache,
+                                  batch.new_mask)
+  return hidden
+
+
+def drafter_pairs(batch: PackedRows, hidden: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Slot j's input token x_{j+1} (0 past its sample's end) and its target h_{j+1}.
+
+  The slot at a sample's last token has no successor; it is visible only to itself and
+  carries no loss weight, so whatever it holds never reaches the loss.
+  """
+  same_sample = batch.segment_ids[:, 1:] == batch.segment_ids[:, :-1]
+  next_tokens = jnp.where(same_sample, batch.tokens[:, 1:], 0)
+  next_tokens = jnp.pad(next_tokens, ((0, 0), (0, 1)))
+  next_hidden = jnp.pad(hidden[:, 1:], ((0, 0), (0, 1), (0, 0)))
+  return next_tokens, next_hidden
+
+
+def _loss(params: DrafterParams, target_params: transformer.Params, batch: PackedRows,
+          hidden: jax.Array, vocab_ids: jax.Array | None, config: ModelConfig,
+          ce_weight: float) -> tuple[jax.Array, dict[str, jax.Array]]:
+  hidden = jax.lax.stop_gradient(hidden)
+  tokens, targets = drafter_pairs(batch, hidden)
+  b, t = tokens.shape
+  cache = init_drafter_cache(config, b, t, params["fc"].dtype)
+  pred, _ = drafter_forward(params, target_params, config, tokens, hidden, batch.positions,
+                            cache, batch.new_mask)
+  head = draft_head(target_params, config, vocab_ids)
+  return eagle_loss(pred, targets, head, batch.loss_mask, ce_weight)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "optimizer", "ce_weight"),
+                   donate_argnames=("state",))
+def train_step(state: TrainState, target_params: transformer.Params, batch: PackedRows,
+               vocab_ids: jax.Array | None = None, hidden: jax.Array | None = None, *,
+               config: ModelConfig, optimizer: optax.GradientTransformation,
+               ce_weight: float = CE_WEIGHT) -> tuple[TrainState, dict[str, jax.Array]]:
+  """One optimizer step on packed rows [B, T]; `hidden` None runs the target forward."""
+  if hidden is None:
+    hidden = target_hidden(target_params, batch, config=config)
+  grad_fn = jax.value_and_grad(_loss, has_aux=True)
+  (_, metrics), grads = grad_fn(state.params, target_params, batch, hidden, vocab_ids, config,
+                                ce_weight)
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  metrics["grad_norm"] = optax.tree.norm(grads)
+  return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
+
+
+@functools.partial(jax.jit, static_argnames=("config", "ce_weight"))
+def eval_step(params: DrafterParams, target_params: transformer.Params, batch: PackedRows,
+              vocab_ids: jax.Array | None = None, hidden: jax.Array | None = None, *,
+              config: ModelConfig, ce_weight: float = CE_WEIGHT) -> dict[str, jax.Array]:
+  """The train step's metrics without an update, e.g. on held-out rows."""
+  if hidden is None:
+    hidden = target_hidden(target_params, batch, config=config)
+  return _loss(params, target_params, batch, hidden, vocab_ids, config, ce_weight)[1]
+
+
+def select_draft_vocab(token_id_lists: Iterable[Sequence[int]], size: int, *,
+                       vocab_size: int) -> np.ndarray:
+  """The `size` most frequent ids (ties and unseen fill-ins by lowest id), sorted, int32."""
+  if not 1 <= size <= vocab_size:
+    raise UserInputError(f"--draft_vocab_size={size}: must be in [1, {vocab_size}]")
+  ids = np.concatenate([np.asarray(x, np.int64).reshape(-1) for x in token_id_lists]
+                       + [np.zeros((0,), np.int64)])
+  if ids.size and not (0 <= ids.min() and ids.max() < vocab_size):
+    raise UserInputError(f"drafter corpus: token ids outside [0, {vocab_size})")
+  counts = np.bincount(ids, minlength=vocab_size)
+  return np.sort(np.argsort(-counts, kind="stable")[:size]).astype(np.int32)
+
+
+# ---- files -------------------------------------------------------------------------------
+
+def save_drafter(out_dir: str, state_or_params: TrainState | DrafterParams,
+                 vocab_ids: Any | None, model_config: ModelConfig, *,
+                 target_source: str | None = None) -> None:
+  """Writes the resumable orbax checkpoint and the safetensors export into `out_dir`.
+
+  Each piece is replaced atomically, and other files in `out_dir` are left alone.
+  """
+  state = state_or_params if isinstance(state_or_params, TrainState) else None
+  params = state.params if state is not None else state_or_params
+  tree = {"params": params}
+  if state is not None:
+    tree.update(opt_state=state.opt_state, step=state.step)
+  os.makedirs(out_dir, exist_ok=True)
+  with atomic_output_dir(os.path.join(out_dir, CHECKPOINT), overwrite=True) as tmp:
+    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
+      checkpointer.save(epath.Path(tmp) / STATE, args=ocp.args.StandardSave(tree))
+
+  tensors = {}
+  for path, (name, transposed) in _EXPORT_NAMES.items():
+    value = np.asarray(functools.reduce(lambda node, key: node[key], path, params))
+    value = value[0] if path[0] == "layers" else value
+    tensors[name] = np.ascontiguousarray(value.T if transposed else value)
+  if vocab_ids is not None:
+    tensors[DRAFT_VOCAB] = np.asarray(vocab_ids, np.int64)
+  _write_atomic(os.path.join(out_dir, WEIGHTS),
+                safetensors.numpy.save(tensors, metadata={"format": "np"}))
+
+  target = model_config.to_hf_dict()
+  drafter_config = {
+      "architecture": "eagle",
+      "fc_input": ["embed(x_{t+1})", "h_t"],
+      "num_hidden_layers": 1,
+      **{k: target[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                "num_key_value_heads", "head_dim", "rms_norm_eps",
+                                "rope_parameters", "vocab_size")},
+      "draft_vocab_size": None if vocab_ids is None else int(np.size(vocab_ids)),
+      "step": int(state.step) if state is not None else None,
+      "target": target,
+      "target_source": target_source,
+  }
+  _write_atomic(os.path.join(out_dir, CONFIG),
+                json.dumps(drafter_config, indent=1).encode())
+
+
+def load_drafter(drafter_dir: str, model_config: ModelConfig, dtype=jnp.float32
+                 ) -> tuple[DrafterParams, np.ndarray | None]:
+  """(drafter params, draft vocabulary ids or None) from the safetensors export.
+
+  Every tensor is checked against what `model_config` implies before use, so a drafter for
+  another model fails here with one line, not deep inside jit.
+  """
+  config_path = os.path.join(drafter_dir, CONFIG)
+  weights_path = os.path.join(drafter_dir, WEIGHTS)
+  for path in (config_path, weights_path):
+    if not os.path.isfile(path):
+      raise UserInputError(f"{path}: missing (not a drafter dir)")
+  try:
+    with open(config_path) as f:
+      stored_config = json.load(f)
+    stored_target = stored_config["target"]
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+    raise UserInputError(f"{config_path}: cannot read ({e!r})") from None
+
+  shapes = jax.eval_shape(lambda: init_drafter_params(model_config, jax.random.key(0)))
+  params: dict[str, Any] = {"layers": {}}
+  try:
+    with safetensors.safe_open(weights_path, "numpy") as f:
+      names = set(f.keys())
+      for path, (name, transposed) in _EXPORT_NAMES.items():
+        shape = functools.reduce(lambda node, key: node[key], path, shapes).shape
+        layer = path[0] == "layers"
+        want = shape[1:] if layer else shape
+        want = want[::-1] if transposed else want
+        if name not in names:
+          raise UserInputError(f"{weights_path}: missing tensor {name}")
+        got = tuple(f.get_slice(name).get_shape())
+        if got != want:
+          raise UserInputError(f"{weights_path}: tensor {name} has shape {got}, the model "
+                               f"implies {want} (drafter trained for another model?)")
+        value = f.get_tensor(name)
+        value = value.T if transposed else value
+        value = jnp.asarray(value[None] if layer else value, dtype)
+        if layer:
+          params["layers"][path[1]] = value
+        else:
+          params[path[0]] = value
+      vocab_ids = f.get_tensor(DRAFT_VOCAB) if DRAFT_VOCAB in names else None
+  except (OSError, safetensors.SafetensorError) as e:
+    raise UserInputError(f"{weights_path}: not a readable safetensors file ({e})") from None
+
+  if vocab_ids is not None:
+    v = model_config.vocab_size
+    if (vocab_ids.ndim != 1 or not vocab_ids.size or vocab_ids.min() < 0
+        or vocab_ids.max() >= v or np.any(np.diff(vocab_ids) <= 0)):
+      raise UserInputError(f"{weights_path}: tensor {DRAFT_VOCAB} must hold sorted unique "
+                           f"ids in [0, {v}) for this model")
+    vocab_ids = vocab_ids.astype(np.int32)
+  model_target = model_config.to_hf_dict()
+  for field in _TARGET_FIELDS:
+    if stored_target.get(field) != model_target[field]:
+      raise UserInputError(f"{config_path}: target.{field} is {stored_target.get(field)}, "
+                           f"the model has {model_target[field]}")
+  return params, vocab_ids
+
+
+def restore_train_state(drafter_dir: str, template: TrainState) -> TrainState:
+  """The TrainState saved by `save_drafter`, shaped like `template` (same model and
+  optimizer), to resume training exactly."""
+  state_dir = epath.Path(drafter_dir) / CHECKPOINT / STATE
+  if not state_dir.is_dir():
+    raise UserInputError(f"{state_dir}: missing drafter checkpoint")
+  handler = ocp.StandardCheckpointHandler()
+  try:
+    stored = handler.metadata(state_dir).tree
+  except (OSError, ValueError) as e:
+    raise UserInputError(f"{state_dir}: unreadable orbax checkpoint ({e})") from None
+  if "opt_state" not in stored:
+    raise UserInputError(f"{state_dir}: holds drafter params only, no optimizer state")
+  flat = lambda tree: {jax.tree_util.keystr(k): tuple(v.shape) for k, v in
+                       jax.tree_util.tree_flatten_with_path(tree)[0]}
+  got, want = flat(stored["params"]), flat(template.params)
+  for key in sorted(got.keys() | want.keys()):
+    if got.get(key) != want.get(key):
+      raise UserInputError(f"{state_dir}: drafter param {key} is stored as "
+                           f"{got.get(key, 'absent')}, the model implies {want.get(key, 'absent')}")
+  tree = {"params": template.params, "opt_state": template.opt_state, "step": template.step}
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), tree)
+  try:
+    with ocp.Checkpointer(handler) as checkpointer:
+      restored = checkpointer.restore(state_dir, args=ocp.args.StandardRestore(target))
+  except (OSError, ValueError) as e:
+    raise UserInputError(f"{state_dir}: cannot restore ({str(e).splitlines()[0][:300]})") \
+        from None
+  return TrainState(**restored)
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-")
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
+    os.chmod(tmp, 0o644)  # mkstemp makes it private; these files are meant to be shared
+    os.replace(tmp, path)
+  except BaseException:
+    os.unlink(tmp)
+    raise
