@@ -16,9 +16,10 @@ import os
 import sys
 import time
 
-from absl import flags, logging
+from absl import flags
 
 from experiments import cli
+from tlt_jax.data.tasks import build_questions, validate_tasks
 from tlt_jax.errors import UserInputError
 
 _MODEL = flags.DEFINE_string("model", "smollm2", "HF dir, converted checkpoint dir, .gguf file, "
@@ -62,25 +63,6 @@ flags.register_multi_flags_validator(
 
 CORPUS = "corpus.json"
 METRICS = "metrics.json"
-REASONING_SUFFIX = "\nThink step by step, then give the final answer."
-CHAT_QUESTIONS = (
-    "Why is the sky blue?",
-    "Give me three tips for staying focused while studying.",
-    "What is the difference between weather and climate?",
-    "Explain what a prime number is, with examples.",
-    "Write a short poem about the ocean.",
-    "How do plants make their food?",
-    "What are the main causes of the seasons on Earth?",
-    "Summarize the story of Cinderella in a few sentences.",
-    "How does a refrigerator keep food cold?",
-    "What is a healthy breakfast, and why?",
-    "Explain recursion to a beginner programmer.",
-    "What should I pack for a weekend hiking trip?",
-    "Why do we have leap years?",
-    "Describe how a bill becomes a law.",
-    "What is the Pythagorean theorem used for?",
-    "How can I make my emails more polite?",
-)
 # Precomputed target hidden states are kept on the host up to this size; beyond it each
 # step runs the target forward itself.
 _HIDDEN_CACHE_BYTES = 4 << 30
@@ -88,32 +70,6 @@ _HIDDEN_CACHE_BYTES = 4 << 30
 
 def log(message: str) -> None:
   print(message, file=sys.stderr, flush=True)
-
-
-def validate_tasks(tasks: list[str]) -> None:
-  from reasoning_gym.factory import DATASETS
-  unknown = [t for t in tasks if t != "chat" and t not in DATASETS]
-  if unknown:
-    raise UserInputError(f"--tasks: unknown task {unknown[0]!r} (use reasoning-gym dataset "
-                         "names or 'chat')")
-  if not tasks:
-    raise UserInputError("--tasks: empty")
-
-
-def build_questions(tasks: list[str], num_prompts: int, seed: int) -> list[tuple[str, str]]:
-  """(task, question) pairs, tasks interleaved round robin; deterministic in `seed`."""
-  import reasoning_gym
-
-  counts = {t: len(range(i, num_prompts, len(tasks))) for i, t in enumerate(tasks)}
-  pools = {}
-  for i, task in enumerate(tasks):
-    if task == "chat":
-      pools[task] = [CHAT_QUESTIONS[k % len(CHAT_QUESTIONS)] for k in range(counts[task])]
-    elif counts[task]:
-      dataset = reasoning_gym.create_dataset(task, size=counts[task], seed=seed + i)
-      pools[task] = [dataset[k]["question"] + REASONING_SUFFIX for k in range(counts[task])]
-  return [(tasks[i % len(tasks)], pools[tasks[i % len(tasks)]][i // len(tasks)])
-          for i in range(num_prompts)]
 
 
 def load_or_generate_corpus(model, out_dir: str) -> dict:
@@ -223,10 +179,7 @@ def _evaluate(drafter_params, target_params, rows, hidden, vocab, config, batch_
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise UserInputError(f"unexpected arguments: {' '.join(argv[1:])}")
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)  # orbax logs every step of a save at INFO
+  del argv
   import jax
   import jax.numpy as jnp
   import numpy as np
