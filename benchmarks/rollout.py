@@ -1,0 +1,141 @@
+"""Rollout speed on SmolLM2 with a warmed-up drafter: plain decoding vs speculative decoding.
+
+  python benchmarks/rollout.py --drafter=runs/drafter_smollm2 [--output=FILE]
+
+Prints JSON. Part 1: fixed batches (1, 4, 16) at T=0 and T=1, SD on from the first step,
+plain and SD alternated (A B A B ...) after a warm-up run of each, compile time excluded;
+medians and paired ratios. Part 2: a long-tail rollout (64 rows of reasoning prompts whose
+response lengths are long-tailed by natural EOS under a length cap): wall time plain vs
+adaptive SD (switched on for the tail), alternated the same way.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+_DRAFTER = flags.DEFINE_string("drafter", "runs/drafter_smollm2", "Warmed-up drafter dir.")
+_BATCHES = flags.DEFINE_list("batches", ["1", "4", "16"], "Fixed batch sizes.")
+_TEMPERATURES = flags.DEFINE_list("temperatures", ["0", "1"], "Sampling temperatures.")
+_STRATEGIES = flags.DEFINE_list("strategies", ["4_1_5", "6_2_8", "8_4_16"],
+                                "SD strategies tried per setting (the best is reported).")
+_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 128, "Tokens per row, fixed batches.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Alternated A/B repeats per setting.")
+_TAIL_ROWS = flags.DEFINE_integer("tail_rows", 64, "Rows in the long-tail rollout.")
+_TAIL_CAP = flags.DEFINE_integer("tail_cap", 384, "Length cap of the long-tail rollout.")
+_TAIL_REPEATS = flags.DEFINE_integer("tail_repeats", 2, "Alternated repeats, long tail.")
+_TAIL_STRATEGY = flags.DEFINE_string("tail_strategy", "4_1_5", "SD strategy for the tail.")
+_TAIL_THRESHOLD = flags.DEFINE_integer("tail_threshold", 8, "SD on at <= this many live rows.")
+_TAIL_TEMPERATURE = flags.DEFINE_float(
+    "tail_temperature", 0.0, "Long-tail sampling temperature. At 0 both sides emit identical "
+    "tokens (SD is exact), so their wall times compare the same work.")
+_SKIP_FIXED = flags.DEFINE_bool("skip_fixed", False, "Only run the long-tail scenario.")
+_OUTPUT = flags.DEFINE_string("output", None, "Also write the JSON here.")
+_SEED = flags.DEFINE_integer("seed", 12345, "Prompt seed (held out from drafter training).")
+
+
+def log(message: str) -> None:
+  print(message, file=sys.stderr, flush=True)
+
+
+def main(argv):
+  del argv
+  import jax.numpy as jnp
+
+  from tlt_jax.data.tasks import build_questions
+  from tlt_jax.drafter.trainer import load_drafter
+  from tlt_jax.models.loading import load_model
+  from tlt_jax.rollout.engine import SpecConfig, generate
+  from tlt_jax.rollout.sampling import SamplingParams
+  from tlt_jax.rollout.strategy import SpecStrategy
+
+  model = load_model("smollm2", dtype=jnp.float32)
+  tokenizer = model.tokenizer
+  drafter, vocab_ids = load_drafter(_DRAFTER.value, model.config)
+  vocab_ids = None if vocab_ids is None else jnp.asarray(vocab_ids)
+  eos = tuple(tokenizer.eos_token_ids)
+  tasks = ["gsm_symbolic", "basic_arithmetic", "chain_sum"]
+  questions = [q for _, q in build_questions(tasks, max(64, _TAIL_ROWS.value), _SEED.value)]
+  prompts = [tokenizer.chat_prompt(q) for q in questions]
+
+  def spec_for(strategy, threshold, patience):
+    return SpecConfig(drafter=drafter, strategy=SpecStrategy.parse(strategy),
+                      vocab_ids=vocab_ids, threshold=threshold, patience=patience)
+
+  def timed(batch_prompts, sampling, spec, max_new, seed):
+    start = time.perf_counter()
+    result = generate(model.params, model.config, batch_prompts, max_new_tokens=max_new,
+                      sampling=sampling, eos_ids=eos, seed=seed, spec=spec)
+    return time.perf_counter() - start, result
+
+  def alternate(batch_prompts, sampling, spec, max_new, repeats):
+    """Warm-up both sides, then A B A B ...; returns per-side lists of (seconds, result)."""
+    timed(batch_prompts, sampling, None, max_new, 0)
+    timed(batch_prompts, sampling, spec, max_new, 0)
+    plain, sd = [], []
+    for r in range(repeats):
+      plain.append(timed(batch_prompts, sampling, None, max_new, 1 + r))
+      sd.append(timed(batch_prompts, sampling, spec, max_new, 1 + r))
+    return plain, sd
+
+  def summary(runs):
+    tokens = [res.stats["generated_tokens"] for _, res in runs]
+    out = {"seconds_median": statistics.median(s for s, _ in runs),
+           "tokens_per_s_median": statistics.median(t / s for (s, _), t in zip(runs, tokens))}
+    accept = [res.stats.get("spec/accept_len") for _, res in runs]
+    if accept[0] is not None:
+      out["accept_len_median"] = statistics.median(accept)
+      out["verify_steps"] = runs[-1][1].stats["spec/verify_steps"]
+    return out
+
+  report = {"model": "SmolLM2-135M-Instruct (fp32, CPU)", "drafter": _DRAFTER.value,
+            "draft_vocab": None if vocab_ids is None else int(vocab_ids.shape[0]),
+            "fixed": [], "long_tail": None}
+  if not _SKIP_FIXED.value:
+    for temperature in (float(t) for t in _TEMPERATURES.value):
+      sampling = SamplingParams(temperature=temperature)
+      for batch in (int(b) for b in _BATCHES.value):
+        for strategy in _STRATEGIES.value:
+          log(f"fixed batch={batch} T={temperature} strategy={strategy}")
+          plain, sd = alternate(prompts[:batch], sampling, spec_for(strategy, batch, 0),
+                                _NEW_TOKENS.value, _REPEATS.value)
+          ratios = [p[0] / s[0] for p, s in zip(plain, sd)]
+          entry = {"batch": batch, "temperature": temperature, "strategy": strategy,
+                   "plain": summary(plain), "sd": summary(sd),
+                   "speedup_paired_median": statistics.median(ratios)}
+          log(json.dumps(entry))
+          report["fixed"].append(entry)
+
+  log(f"long tail: {_TAIL_ROWS.value} rows, cap {_TAIL_CAP.value}")
+  sampling = SamplingParams(temperature=_TAIL_TEMPERATURE.value)
+  plain, sd = alternate(prompts[:_TAIL_ROWS.value], sampling,
+                        spec_for(_TAIL_STRATEGY.value, _TAIL_THRESHOLD.value, 10),
+                        _TAIL_CAP.value, _TAIL_REPEATS.value)
+  lengths = sorted(len(o.token_ids) for o in plain[-1][1].outputs)
+  report["long_tail"] = {
+      "rows": _TAIL_ROWS.value, "cap": _TAIL_CAP.value, "strategy": _TAIL_STRATEGY.value,
+      "temperature": _TAIL_TEMPERATURE.value,
+      "sd_threshold": _TAIL_THRESHOLD.value,
+      "response_len": {"p50": lengths[len(lengths) // 2], "p90": lengths[int(len(lengths) * .9)],
+                       "max": lengths[-1], "at_cap": sum(n >= _TAIL_CAP.value for n in lengths)},
+      "plain": summary(plain), "adaptive_sd": summary(sd),
+      "sd_enabled_frac": sd[-1][1].stats.get("spec/enabled_frac"),
+      "speedup_paired_median": statistics.median(p[0] / s[0] for p, s in zip(plain, sd)),
+      "live_rows_plain": plain[-1][1].stats["rollout/live_rows"],
+      "live_rows_sd": sd[-1][1].stats["rollout/live_rows"],
+  }
+  text = json.dumps(report, indent=1)
+  print(text)
+  if _OUTPUT.value:
+    with open(_OUTPUT.value, "w") as f:
+      f.write(text + "\n")
+
+
+if __name__ == "__main__":
+  app.run(main)
