@@ -21,7 +21,7 @@ import numpy as np
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.kv_cache import KVCache
 from tlt_jax.models.rope import apply_rope, inverse_frequencies
-from tlt_jax.pallas.tree_attention import tree_attention
+from tlt_jax.pallas.tree_attention import resolve_impl, tree_attention
 from tlt_jax.sharding.rules import MeshRules, constrain
 
 Params = dict
@@ -71,19 +71,43 @@ def lm_logits(params: Params, config: ModelConfig, hidden: jax.Array,
   return constrain(logits, ("batch",) + (None,) * (logits.ndim - 2) + ("act_vocab",), rules)
 
 
-def _attention_mask(cache_lengths: jax.Array, new_mask: jax.Array, max_len: int) -> jax.Array:
-  """[B, T, S] visibility: the committed prefix, plus new tokens as `new_mask` allows."""
-  num_new = new_mask.shape[-1]
-  rel = jnp.arange(max_len)[None, :] - cache_lengths[:, None]           # [B, S]
-  in_prefix = rel < 0
-  in_new = (rel >= 0) & (rel < num_new)
-  from_new = jnp.take_along_axis(new_mask, jnp.clip(rel, 0, num_new - 1)[:, None, :], axis=-1)
-  return in_prefix[:, None, :] | (in_new[:, None, :] & from_new)
+def prefix_mask(cache_lengths: jax.Array, num_new: int, max_len: int) -> jax.Array:
+  """[B, T, S]: every new token sees its row's committed prefix of the cache."""
+  visible = jnp.arange(max_len)[None, :] < cache_lengths[:, None]
+  return jnp.broadcast_to(visible[:, None, :], (cache_lengths.shape[0], num_new, max_len))
+
+
+def _attend(q, layer_keys, layer_values, cache_mask, k, v, new_mask, attention_impl):
+  """Attention over the cache (read in place) plus the new tokens.
+
+  The jnp path takes one softmax over [cache scores, new scores] so the cache is never
+  copied; kernels get the keys concatenated (their interface is one key set)."""
+  if resolve_impl(attention_impl) != "reference":
+    return tree_attention(q, jnp.concatenate([layer_keys, k], axis=1),
+                          jnp.concatenate([layer_values, v], axis=1),
+                          jnp.concatenate([cache_mask, new_mask], axis=-1), impl=attention_impl)
+  b, t, h, d = q.shape
+  kh = k.shape[2]
+  qg = q.reshape(b, t, kh, h // kh, d)
+  scores = jnp.concatenate([
+      jnp.einsum("btkgd,bskd->bkgts", qg, layer_keys.astype(q.dtype),
+                 preferred_element_type=jnp.float32),
+      jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32),
+  ], axis=-1) * (d ** -0.5)
+  mask = jnp.concatenate([cache_mask, new_mask], axis=-1)
+  scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+  s = layer_keys.shape[1]
+  attn = (jnp.einsum("bkgts,bskd->btkgd", probs[..., :s], layer_values.astype(q.dtype))
+          + jnp.einsum("bkgts,bskd->btkgd", probs[..., s:], v.astype(q.dtype)))
+  return attn.reshape(b, t, h, d)
 
 
 def _layer(config: ModelConfig, inv_freq: np.ndarray, rules: MeshRules | None,
-           attention_impl: str, x, layer, k_cache, v_cache, layer_idx, positions, write_idx,
-           mask):
+           attention_impl: str, x, layer, layer_keys, layer_values, positions, cache_mask,
+           new_mask):
+  """One decoder layer. layer_keys/values [B, S, K, D] are this layer's cache, read-only:
+  the new K/V are returned and written into the cache once, after all layers."""
   b, t, _ = x.shape
   kh, d = config.num_kv_heads, config.head_dim
   # The EAGLE drafter's layer has no input norm: its input is already a projection.
@@ -99,20 +123,15 @@ def _layer(config: ModelConfig, inv_freq: np.ndarray, rules: MeshRules | None,
     k = rms_norm(k, layer["k_norm"], config.rms_norm_eps)
   q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
 
-  # Write new K/V after each row's prefix; positions past the cache end are dropped.
-  rows = jnp.arange(b)[:, None]
-  k_cache = k_cache.at[layer_idx, rows, write_idx].set(k.astype(k_cache.dtype), mode="drop")
-  v_cache = v_cache.at[layer_idx, rows, write_idx].set(v.astype(v_cache.dtype), mode="drop")
-  keys, values = k_cache[layer_idx], v_cache[layer_idx]                 # [B, S, K, D]
-
-  attn = tree_attention(q, keys, values, mask, impl=attention_impl)
+  k, v = k.astype(layer_keys.dtype), v.astype(layer_values.dtype)
+  attn = _attend(q, layer_keys, layer_values, cache_mask, k, v, new_mask, attention_impl)
   x = x + attn.reshape(b, t, config.num_heads * d) @ layer["wo"]
 
   h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
   gate = constrain(h @ layer["w_gate"], ("batch", None, "act_mlp"), rules)
   up = constrain(h @ layer["w_up"], ("batch", None, "act_mlp"), rules)
   x = x + (jax.nn.silu(gate) * up) @ layer["w_down"]
-  return constrain(x, ("batch", None, "act_embed"), rules), k_cache, v_cache
+  return constrain(x, ("batch", None, "act_embed"), rules), k, v
 
 
 def run_layers(layers: Params, config: ModelConfig, x: jax.Array, positions: jax.Array,
@@ -122,30 +141,29 @@ def run_layers(layers: Params, config: ModelConfig, x: jax.Array, positions: jax
   """Runs a stack of decoder layers on embeddings x [B, T, E]; the cache has one entry per
   layer. Shared by the target model and the one-layer drafter.
 
-  cache_mask [B, T, max_len], when given, replaces the prefix + new_mask visibility: a
-  drafter growing a tree over several calls must see uncommitted ancestors from earlier
-  calls but not their siblings. attention_impl picks the attention kernel
-  (see `tlt_jax.pallas.tree_attention`; "auto" is Pallas on GPU, jnp elsewhere).
+  Visibility: new_mask [B, T, T] among the new tokens (default causal) and cache_mask
+  [B, T, max_len] over the cache as it was before this call (default: the committed
+  prefix). A drafter growing a tree over several calls passes a cache_mask that also shows
+  uncommitted ancestors written by earlier calls, but not their siblings.
+  attention_impl picks the attention kernel (see `tlt_jax.pallas.tree_attention`).
   """
   b, t, _ = x.shape
-  if cache_mask is not None:
-    mask = cache_mask
-  else:
-    new_mask = causal_mask(b, t) if new_mask is None else new_mask
-    mask = _attention_mask(cache.lengths, new_mask, cache.max_len)
+  new_mask = causal_mask(b, t) if new_mask is None else new_mask
+  if cache_mask is None:
+    cache_mask = prefix_mask(cache.lengths, t, cache.max_len)
   inv_freq = inverse_frequencies(config.rope, config.head_dim)
   write_idx = cache.lengths[:, None] + jnp.arange(t)[None, :]
-  num_layers = jax.tree.leaves(layers)[0].shape[0]
 
-  def body(carry, scanned):
-    x, k_cache, v_cache = carry
-    layer, layer_idx = scanned
-    x, k_cache, v_cache = _layer(config, inv_freq, rules, attention_impl, x, layer, k_cache,
-                                 v_cache, layer_idx, positions, write_idx, mask)
-    return (x, k_cache, v_cache), None
+  def body(x, scanned):
+    layer, layer_keys, layer_values = scanned
+    x, k, v = _layer(config, inv_freq, rules, attention_impl, x, layer, layer_keys,
+                     layer_values, positions, cache_mask, new_mask)
+    return x, (k, v)
 
-  (x, k_cache, v_cache), _ = jax.lax.scan(
-      body, (x, cache.k, cache.v), (layers, jnp.arange(num_layers)))
+  x, (new_k, new_v) = jax.lax.scan(body, x, (layers, cache.k, cache.v))   # new: [L, B, T, K, D]
+  rows = jnp.arange(b)[:, None]
+  k_cache = cache.k.at[:, rows, write_idx].set(new_k, mode="drop")
+  v_cache = cache.v.at[:, rows, write_idx].set(new_v, mode="drop")
   return x, cache.replace(k=k_cache, v=v_cache)
 
 

@@ -117,17 +117,20 @@ def _grow_tree(key, params, drafter, head, vocab_ids, config, strategy, sampling
   ancestors = jnp.broadcast_to(jnp.eye(n_nodes, dtype=bool), (b, n_nodes, n_nodes))
 
   rel = jnp.arange(cache.max_len)[None, :] - committed[:, None]         # [B, S]
+  self_only = jnp.broadcast_to(jnp.eye(k, dtype=bool), (b, k, k))
   in_tree = (rel >= 0) & (rel < n_nodes)
   for level in range(1, depth):
     frontier = (level - 1) * k + jnp.arange(k)
-    seen = jnp.take_along_axis(ancestors[:, frontier], jnp.clip(rel, 0, n_nodes - 1)[:, None],
-                               axis=-1)
+    # Earlier levels' ancestors are in the cache; each node sees itself as a new token.
+    strict = ancestors[:, frontier] & ~jnp.eye(n_nodes, dtype=bool)[frontier]
+    seen = jnp.take_along_axis(strict, jnp.clip(rel, 0, n_nodes - 1)[:, None], axis=-1)
     cache_mask = (rel < 0)[:, None] | (in_tree[:, None] & seen)
     level_positions = jnp.broadcast_to(committed[:, None] - 1 + level, (b, k))
     out, cache = drafter_forward(drafter, params, config, level_tokens, level_hidden,
                                  level_positions,
                                  cache.replace(lengths=committed + (level - 1) * k),
-                                 cache_mask=cache_mask, attention_impl=attention_impl)
+                                 new_mask=self_only, cache_mask=cache_mask,
+                                 attention_impl=attention_impl)
     child_scores, child_ix, q = _propose(keys[level], draft_logits(head, out), k, sampled,
                                          sampling)                      # [B, k, k]
     draft_probs.append(None if q is None else q[:, 0])
