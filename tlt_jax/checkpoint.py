@@ -62,27 +62,30 @@ def load_model_checkpoint(ckpt_dir: str, dtype=None, shardings: Any = None
   params_dir = epath.Path(ckpt_dir) / PARAMS
   if not params_dir.is_dir():
     raise UserInputError(f"{params_dir}: missing params directory")
-  handler = ocp.StandardCheckpointHandler()
-  try:
-    stored = handler.metadata(params_dir).tree
-  except (OSError, ValueError) as e:
-    raise UserInputError(f"{params_dir}: unreadable orbax checkpoint ({_first_line(e)})") \
-        from None
-  _check_shapes(stored, param_shapes(config), params_dir)
+  stored = read_tree_metadata(params_dir)
+  check_tree_shapes(stored, param_shapes(config), params_dir, f"params do not match {CONFIG}",
+                    f"{CONFIG} implies")
   if shardings is None:
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shardings = jax.tree.map(lambda _: device, stored)
   target = jax.tree.map(
       lambda m, s: jax.ShapeDtypeStruct(m.shape, dtype or m.dtype, sharding=s), stored, shardings)
+  return config, restore_tree(params_dir, target)
+
+
+# ---- orbax trees: shared by model and drafter checkpoints ----------------------------
+
+def read_tree_metadata(path: epath.Path) -> Any:
+  """The stored tree's array metadata (shape, dtype), or a one-line error."""
   try:
-    with ocp.Checkpointer(handler) as checkpointer:
-      params = checkpointer.restore(params_dir, args=ocp.args.StandardRestore(target))
+    return ocp.StandardCheckpointHandler().metadata(path).tree
   except (OSError, ValueError) as e:
-    raise UserInputError(f"{params_dir}: cannot restore params ({_first_line(e)})") from None
-  return config, params
+    raise UserInputError(f"{path}: unreadable orbax checkpoint ({_first_line(e)})") from None
 
 
-def _check_shapes(stored: Any, expected: dict[str, Any], params_dir: epath.Path) -> None:
+def check_tree_shapes(stored: Any, expected: Any, path: epath.Path, what: str,
+                      implied_by: str) -> None:
+  """Names the first leaf whose stored shape differs from `expected` (shape tuples)."""
   is_shape = lambda x: isinstance(x, tuple)
   flat = lambda tree: {jax.tree_util.keystr(k): v for k, v in
                        jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_shape)[0]}
@@ -90,9 +93,17 @@ def _check_shapes(stored: Any, expected: dict[str, Any], params_dir: epath.Path)
   want = flat(expected)
   for key in sorted(got.keys() | want.keys()):
     if got.get(key) != want.get(key):
-      raise UserInputError(
-          f"{params_dir}: params do not match {CONFIG}: {key} is stored as "
-          f"{got.get(key, 'absent')}, {CONFIG} implies {want.get(key, 'absent')}")
+      raise UserInputError(f"{path}: {what}: {key} is stored as {got.get(key, 'absent')}, "
+                           f"{implied_by} {want.get(key, 'absent')}")
+
+
+def restore_tree(path: epath.Path, target: Any) -> Any:
+  """Restores a tree shaped and placed like `target` (ShapeDtypeStructs)."""
+  try:
+    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
+      return checkpointer.restore(path, args=ocp.args.StandardRestore(target))
+  except (OSError, ValueError) as e:
+    raise UserInputError(f"{path}: cannot restore ({_first_line(e)})") from None
 
 
 def _first_line(e: Exception) -> str:

@@ -31,6 +31,7 @@ import safetensors
 import safetensors.numpy
 from etils import epath
 
+from tlt_jax.checkpoint import check_tree_shapes, read_tree_metadata, restore_tree
 from tlt_jax.drafter.losses import CE_WEIGHT, eagle_loss
 from tlt_jax.drafter.packing import PackedRows
 from tlt_jax.errors import UserInputError
@@ -291,29 +292,15 @@ def restore_train_state(drafter_dir: str, template: TrainState) -> TrainState:
   state_dir = epath.Path(drafter_dir) / CHECKPOINT / STATE
   if not state_dir.is_dir():
     raise UserInputError(f"{state_dir}: missing drafter checkpoint")
-  handler = ocp.StandardCheckpointHandler()
-  try:
-    stored = handler.metadata(state_dir).tree
-  except (OSError, ValueError) as e:
-    raise UserInputError(f"{state_dir}: unreadable orbax checkpoint ({e})") from None
+  stored = read_tree_metadata(state_dir)
   if "opt_state" not in stored:
     raise UserInputError(f"{state_dir}: holds drafter params only, no optimizer state")
-  flat = lambda tree: {jax.tree_util.keystr(k): tuple(v.shape) for k, v in
-                       jax.tree_util.tree_flatten_with_path(tree)[0]}
-  got, want = flat(stored["params"]), flat(template.params)
-  for key in sorted(got.keys() | want.keys()):
-    if got.get(key) != want.get(key):
-      raise UserInputError(f"{state_dir}: drafter param {key} is stored as "
-                           f"{got.get(key, 'absent')}, the model implies {want.get(key, 'absent')}")
+  check_tree_shapes(stored["params"], jax.tree.map(lambda x: tuple(x.shape), template.params),
+                    state_dir, "drafter params", "the model implies")
   tree = {"params": template.params, "opt_state": template.opt_state, "step": template.step}
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), tree)
-  try:
-    with ocp.Checkpointer(handler) as checkpointer:
-      restored = checkpointer.restore(state_dir, args=ocp.args.StandardRestore(target))
-  except (OSError, ValueError) as e:
-    raise UserInputError(f"{state_dir}: cannot restore ({str(e).splitlines()[0][:300]})") \
-        from None
+  restored = restore_tree(state_dir, target)
   return TrainState(**restored)
 
 
