@@ -41,8 +41,7 @@ def _sharded_vs_unsharded() -> dict:
   rules = MeshRules(make_mesh(fsdp=4, tp=2))
   shardings = tree_shardings(param_logical_axes(config), params, rules)
   sharded_params = jax.device_put(params, shardings)
-  cache_sharding = rules.sharding(CACHE_AXES, (config.num_layers, batch, cache_len,
-                                               config.num_kv_heads, config.head_dim))
+  cache_sharding = rules.sharding(CACHE_AXES, init_cache(config, batch, cache_len).k.shape)
   cache = init_cache(config, batch, cache_len, sharding=cache_sharding)
   logits, k = jax.jit(lambda p, c: run(p, c, rules))(sharded_params, cache)
   return {

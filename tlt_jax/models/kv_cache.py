@@ -14,18 +14,20 @@ import jax.numpy as jnp
 from tlt_jax.models.config import ModelConfig
 
 # Logical axes of the cache tensors, for sharding rules.
-CACHE_AXES = ("layers", "batch", "length", "act_kv_heads", "head_dim")
+# Heads before positions: attention contracts head_dim batched over (batch, kv head), so
+# this layout feeds the dots without transposing the whole cache at every layer.
+CACHE_AXES = ("layers", "batch", "act_kv_heads", "length", "head_dim")
 
 
 @flax.struct.dataclass
 class KVCache:
-  k: jax.Array        # [layers, batch, max_len, kv_heads, head_dim]
+  k: jax.Array        # [layers, batch, kv_heads, max_len, head_dim]
   v: jax.Array
   lengths: jax.Array  # [batch] int32: committed tokens per row
 
   @property
   def max_len(self) -> int:
-    return self.k.shape[2]
+    return self.k.shape[3]
 
   @property
   def batch_size(self) -> int:
@@ -37,7 +39,7 @@ class KVCache:
 
 def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=jnp.float32,
                sharding=None) -> KVCache:
-  shape = (config.num_layers, batch_size, max_len, config.num_kv_heads, config.head_dim)
+  shape = (config.num_layers, batch_size, config.num_kv_heads, max_len, config.head_dim)
   # Two separate buffers: the cache is donated, and one buffer cannot be donated twice.
   return KVCache(k=jnp.zeros(shape, dtype, device=sharding),
                  v=jnp.zeros(shape, dtype, device=sharding),

@@ -83,22 +83,22 @@ def _attend(q, layer_keys, layer_values, cache_mask, k, v, new_mask, attention_i
   The jnp path takes one softmax over [cache scores, new scores] so the cache is never
   copied; kernels get the keys concatenated (their interface is one key set)."""
   if resolve_impl(attention_impl) != "reference":
-    return tree_attention(q, jnp.concatenate([layer_keys, k], axis=1),
-                          jnp.concatenate([layer_values, v], axis=1),
+    return tree_attention(q, jnp.concatenate([layer_keys.swapaxes(1, 2), k], axis=1),
+                          jnp.concatenate([layer_values.swapaxes(1, 2), v], axis=1),
                           jnp.concatenate([cache_mask, new_mask], axis=-1), impl=attention_impl)
   b, t, h, d = q.shape
   kh = k.shape[2]
   qg = q.reshape(b, t, kh, h // kh, d)
   scores = jnp.concatenate([
-      jnp.einsum("btkgd,bskd->bkgts", qg, layer_keys.astype(q.dtype),
+      jnp.einsum("btkgd,bksd->bkgts", qg, layer_keys.astype(q.dtype),
                  preferred_element_type=jnp.float32),
       jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32),
   ], axis=-1) * (d ** -0.5)
   mask = jnp.concatenate([cache_mask, new_mask], axis=-1)
   scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-  s = layer_keys.shape[1]
-  attn = (jnp.einsum("bkgts,bskd->btkgd", probs[..., :s], layer_values.astype(q.dtype))
+  s = layer_keys.shape[2]
+  attn = (jnp.einsum("bkgts,bksd->btkgd", probs[..., :s], layer_values.astype(q.dtype))
           + jnp.einsum("bkgts,bskd->btkgd", probs[..., s:], v.astype(q.dtype)))
   return attn.reshape(b, t, h, d)
 
@@ -106,7 +106,7 @@ def _attend(q, layer_keys, layer_values, cache_mask, k, v, new_mask, attention_i
 def _layer(config: ModelConfig, inv_freq: np.ndarray, rules: MeshRules | None,
            attention_impl: str, x, layer, layer_keys, layer_values, positions, cache_mask,
            new_mask):
-  """One decoder layer. layer_keys/values [B, S, K, D] are this layer's cache, read-only:
+  """One decoder layer. layer_keys/values [B, K, S, D] are this layer's cache, read-only:
   the new K/V are returned and written into the cache once, after all layers."""
   b, t, _ = x.shape
   kh, d = config.num_kv_heads, config.head_dim
@@ -162,8 +162,9 @@ def run_layers(layers: Params, config: ModelConfig, x: jax.Array, positions: jax
 
   x, (new_k, new_v) = jax.lax.scan(body, x, (layers, cache.k, cache.v))   # new: [L, B, T, K, D]
   rows = jnp.arange(b)[:, None]
-  k_cache = cache.k.at[:, rows, write_idx].set(new_k, mode="drop")
-  v_cache = cache.v.at[:, rows, write_idx].set(new_v, mode="drop")
+  # Index arrays split by a slice put their dims first: updates are [B, T, L, K, D].
+  k_cache = cache.k.at[:, rows, :, write_idx].set(new_k.transpose(1, 2, 0, 3, 4), mode="drop")
+  v_cache = cache.v.at[:, rows, :, write_idx].set(new_v.transpose(1, 2, 0, 3, 4), mode="drop")
   return x, cache.replace(k=k_cache, v=v_cache)
 
 

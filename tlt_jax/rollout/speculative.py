@@ -237,8 +237,9 @@ def spec_step(params: Params, drafter: DrafterParams, head: jax.Array,
   # Move the path's K/V from verify order into consecutive cache slots.
   dst = committed[:, None] + jnp.arange(depth + 1)[None, :]
   src = committed[:, None] + jnp.where(in_path, path, jnp.arange(depth + 1)[None, :])
-  cache = cache.replace(k=cache.k.at[:, rows[:, None], dst].set(cache.k[:, rows[:, None], src]),
-                        v=cache.v.at[:, rows[:, None], dst].set(cache.v[:, rows[:, None], src]))
+  r = rows[:, None]
+  cache = cache.replace(k=cache.k.at[:, r, :, dst].set(cache.k[:, r, :, src]),
+                        v=cache.v.at[:, r, :, dst].set(cache.v[:, r, :, src]))
 
   path_tokens = jnp.take_along_axis(tokens, path, axis=1)
   path_hidden = jnp.take_along_axis(hidden, path[:, :, None], axis=1)
