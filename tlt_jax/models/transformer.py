@@ -89,17 +89,28 @@ def _attend(q, layer_keys, layer_values, cache_mask, k, v, new_mask, attention_i
   b, t, h, d = q.shape
   kh = k.shape[2]
   qg = q.reshape(b, t, kh, h // kh, d)
+  if t == 1:
+    # Decode: a multiply-and-reduce fuses into one pass over the cache, where a dot would
+    # lower to tiny per-(row, head) matrix products plus a copy of the cache slice.
+    cache_scores = jnp.sum(qg[:, 0, :, :, None, :].astype(jnp.float32)
+                           * layer_keys[:, :, None].astype(jnp.float32), axis=-1)[:, :, :, None]
+  else:
+    cache_scores = jnp.einsum("btkgd,bksd->bkgts", qg, layer_keys.astype(q.dtype),
+                              preferred_element_type=jnp.float32)
   scores = jnp.concatenate([
-      jnp.einsum("btkgd,bksd->bkgts", qg, layer_keys.astype(q.dtype),
-                 preferred_element_type=jnp.float32),
+      cache_scores,
       jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32),
   ], axis=-1) * (d ** -0.5)
   mask = jnp.concatenate([cache_mask, new_mask], axis=-1)
   scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
   s = layer_keys.shape[2]
-  attn = (jnp.einsum("bkgts,bksd->btkgd", probs[..., :s], layer_values.astype(q.dtype))
-          + jnp.einsum("bkgts,bskd->btkgd", probs[..., s:], v.astype(q.dtype)))
+  if t == 1:
+    from_cache = jnp.sum(probs[:, :, :, 0, :s, None] * layer_values[:, :, None].astype(q.dtype),
+                         axis=-2)[:, None]                                 # [B, 1, K, G, D]
+  else:
+    from_cache = jnp.einsum("bkgts,bksd->btkgd", probs[..., :s], layer_values.astype(q.dtype))
+  attn = from_cache + jnp.einsum("bkgts,bskd->btkgd", probs[..., s:], v.astype(q.dtype))
   return attn.reshape(b, t, h, d)
 
 
