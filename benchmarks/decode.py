@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import os
 import statistics
 import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.report import emit  # noqa: E402
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -263,11 +265,7 @@ def main() -> None:
                           "kv_cache_bytes_per_step": read["kv_cache"],
                           **roofline(batches[1], read["weights"])},
   }
-  text = json.dumps(result, indent=2)
-  print(text)
-  if args.output:
-    with open(args.output, "w") as f:
-      f.write(text + "\n")
+  emit(result, args.output)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.report import emit  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 _DRAFTER = flags.DEFINE_string("drafter", "runs/drafter_smollm2", "Warmed-up drafter dir.")
@@ -130,11 +131,7 @@ def main(argv):
       "live_rows_plain": plain[-1][1].stats["rollout/live_rows"],
       "live_rows_sd": sd[-1][1].stats["rollout/live_rows"],
   }
-  text = json.dumps(report, indent=1)
-  print(text)
-  if _OUTPUT.value:
-    with open(_OUTPUT.value, "w") as f:
-      f.write(text + "\n")
+  emit(report, _OUTPUT.value)
 
 
 if __name__ == "__main__":

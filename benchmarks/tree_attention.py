@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
+import os
 import statistics
+import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.report import emit  # noqa: E402
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -85,11 +89,7 @@ def main() -> None:
                                       - outputs["reference"].astype(jnp.float32))))
           for name, out in outputs.items() if name != "reference"},
   }
-  text = json.dumps(result, indent=2)
-  print(text)
-  if args.output:
-    with open(args.output, "w") as f:
-      f.write(text + "\n")
+  emit(result, args.output)
 
 
 if __name__ == "__main__":
