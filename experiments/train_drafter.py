@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
 
 from absl import flags
@@ -46,6 +47,9 @@ _WARMUP = flags.DEFINE_integer("warmup_steps", None, "Linear warmup steps (defau
 _DRAFT_VOCAB = flags.DEFINE_integer("draft_vocab_size", 16384, "Draft vocabulary: the most "
                                     "frequent response tokens; 0 keeps the full vocabulary.",
                                     lower_bound=0)
+_INIT = flags.DEFINE_enum("init", "target_layer", ["target_layer", "random"],
+                          "Drafter initialization: the target's last layer fed h_t "
+                          "(a warm start for small corpora) or random.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for prompts, sampling, init and batch order.")
 _RESUME = flags.DEFINE_bool("resume", False, "Continue training from OUT's drafter checkpoint.")
 _LOG_EVERY = flags.DEFINE_integer("log_every", 10, "Steps per progress line.", lower_bound=1)
@@ -62,6 +66,7 @@ flags.register_multi_flags_validator(
     message="--warmup_steps must be <= --steps")
 
 CORPUS = "corpus.json"
+HIDDEN = "hidden_states"  # .npy per split + .json naming what they were computed from
 METRICS = "metrics.json"
 # Precomputed target hidden states are kept on the host up to this size; beyond it each
 # step runs the target forward itself.
@@ -144,6 +149,22 @@ def _rows_hidden(target_params, rows, batch_rows: int, config):
     n = min(batch_rows, rows.num_rows - start)
     out[start:start + n] = hidden[:n]
   return out
+
+
+def _cached_rows_hidden(out_dir: str, split: str, key: dict, compute):
+  """`compute()`'s hidden states, kept in OUT so reruns over the same corpus skip them."""
+  import numpy as np
+
+  stem = os.path.join(out_dir, f"{HIDDEN}_{split}")
+  if os.path.isfile(stem + ".json") and os.path.isfile(stem + ".npy"):
+    if _read_json(stem + ".json") == key:
+      return np.load(stem + ".npy", mmap_mode="r")
+  hidden = compute()
+  with tempfile.NamedTemporaryFile(dir=out_dir, suffix=".npy", delete=False) as f:
+    np.save(f, hidden)
+  os.replace(f.name, stem + ".npy")
+  cli.write_json_atomic(stem + ".json", key)
+  return hidden
 
 
 def _batch_indices(step: int, batch_rows: int, num_rows: int, seed: int):
@@ -242,15 +263,22 @@ def main(argv):
   train_hidden = eval_hidden = None
   if precompute:
     began = time.perf_counter()
-    train_hidden = _rows_hidden(model.params, train_rows, _BATCH_ROWS.value, config)
+    key = {"corpus": corpus["settings"], "samples": len(samples), "seq_len": _SEQ_LEN.value}
+    train_hidden = _cached_rows_hidden(
+        out_dir, "train", key | {"rows": train_rows.num_rows},
+        lambda: _rows_hidden(model.params, train_rows, _BATCH_ROWS.value, config))
     if eval_rows is not None:
-      eval_hidden = _rows_hidden(model.params, eval_rows, _BATCH_ROWS.value, config)
+      eval_hidden = _cached_rows_hidden(
+          out_dir, "held_out", key | {"rows": eval_rows.num_rows},
+          lambda: _rows_hidden(model.params, eval_rows, _BATCH_ROWS.value, config))
     log(f"target hidden states for all rows: {time.perf_counter() - began:.0f}s")
 
   warmup = _STEPS.value // 20 if _WARMUP.value is None else _WARMUP.value
   optimizer = trainer.make_optimizer(_LR.value, _STEPS.value, warmup)
-  state = trainer.init_train_state(
-      drafter.init_drafter_params(config, jax.random.key(_SEED.value)), optimizer)
+  init_key = jax.random.key(_SEED.value)
+  initial = (drafter.init_drafter_from_target(config, model.params, init_key)
+             if _INIT.value == "target_layer" else drafter.init_drafter_params(config, init_key))
+  state = trainer.init_train_state(initial, optimizer)
   history, evals = [], []
   if _RESUME.value:
     state = trainer.restore_train_state(out_dir, state)

@@ -36,6 +36,18 @@ class KVCache:
   def advance(self, num_tokens: jax.Array) -> "KVCache":
     return self.replace(lengths=self.lengths + num_tokens.astype(jnp.int32))
 
+  def window(self, length: int) -> "KVCache":
+    """The first `length` slots of every row: attention over a short context then costs
+    what the context needs, not what the longest possible row needs."""
+    return self.replace(k=self.k[:, :, :, :length], v=self.v[:, :, :, :length])
+
+  def put_window(self, window: "KVCache") -> "KVCache":
+    """Writes a `window(...)` back (in place when this cache is donated)."""
+    origin = (0,) * self.k.ndim
+    return KVCache(k=jax.lax.dynamic_update_slice(self.k, window.k, origin),
+                   v=jax.lax.dynamic_update_slice(self.v, window.v, origin),
+                   lengths=window.lengths)
+
 
 def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=jnp.float32,
                sharding=None) -> KVCache:

@@ -29,6 +29,14 @@ class BucketSpec:
   def prompt_length(self, tokens: int) -> int:
     return round_up(tokens, self.prompt_page)
 
+  def attention_window(self, tokens: int, cache_length: int) -> int:
+    """The cache prefix a decode chunk attends over to reach `tokens`: a page times a power
+    of two (so log2(cache pages) programs per cache length at most), capped at the cache."""
+    window = self.cache_page
+    while window < tokens:
+      window *= 2
+    return min(window, cache_length)
+
 
 def round_up(n: int, multiple: int) -> int:
   return max(multiple, -(-n // multiple) * multiple)

@@ -102,13 +102,21 @@ def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, live: jax.Arr
 
 
 @functools.partial(jax.jit, static_argnames=("config", "sampling", "eos_ids", "max_new_tokens",
-                                             "chunk_steps", "rules", "attention_impl"),
+                                             "chunk_steps", "window", "rules",
+                                             "attention_impl"),
                    donate_argnames=("state",))
 def decode_chunk(params: Params, state: DecodeState, *, config: ModelConfig,
                  sampling: SamplingParams, eos_ids: tuple[int, ...], max_new_tokens: int,
-                 chunk_steps: int, rules: MeshRules | None = None,
+                 chunk_steps: int, window: int | None = None, rules: MeshRules | None = None,
                  attention_impl: str = "auto") -> DecodeState:
-  """Up to `chunk_steps` single-token decode steps; stops early when all rows are done."""
+  """Up to `chunk_steps` single-token decode steps; stops early when all rows are done.
+
+  window: attend over only the first `window` cache slots (the caller guarantees every
+  live row stays within them for the whole chunk); None is the whole cache.
+  """
+  full_cache = state.cache
+  if window is not None:
+    state = state.replace(cache=full_cache.window(window))
 
   def step(carry):
     i, s = carry
@@ -126,4 +134,7 @@ def decode_chunk(params: Params, state: DecodeState, *, config: ModelConfig,
     i, s = carry
     return (i < chunk_steps) & ~jnp.all(s.done)
 
-  return jax.lax.while_loop(cond, step, (jnp.int32(0), state))[1]
+  state = jax.lax.while_loop(cond, step, (jnp.int32(0), state))[1]
+  if window is not None:
+    state = state.replace(cache=full_cache.put_window(state.cache))
+  return state

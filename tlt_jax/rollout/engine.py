@@ -198,7 +198,11 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
                                      strategy=spec.strategy, chunk_steps=chunk_steps, **static)
       spec_steps += 1
     else:
-      state = decode.decode_chunk(params, state, chunk_steps=chunk_steps, rules=rules, **static)
+      reach = int(np.asarray(base.cache.lengths)[~done].max()) + chunk_steps
+      window = buckets.attention_window(reach, cache_len)
+      state = decode.decode_chunk(params, state, chunk_steps=chunk_steps,
+                                  window=None if window == cache_len else window, rules=rules,
+                                  **static)
       plain_steps += 1
   total_s = time.perf_counter() - start
 
