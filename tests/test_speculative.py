@@ -61,6 +61,23 @@ def test_greedy_sd_is_token_identical(vocab_size, strategy):
     assert sd.stats["spec/accept_len"] > 1.1
 
 
+def test_per_row_caps_plain_and_sd():
+  config, params, drafter = _model(97)
+  prompts = _prompts(97, (5, 9, 3, 12, 7))
+  caps = [6, 30, 1, 17, 2]
+  full = generate(params, config, prompts, max_new_tokens=30, sampling=GREEDY)
+  spec = SpecConfig(drafter=drafter, strategy=SpecStrategy.parse("4_2_6"), threshold=8,
+                    patience=0)
+  for kwargs in ({}, {"spec": spec, "chunk_steps": 4}):
+    capped = generate(params, config, prompts, max_new_tokens=caps, sampling=GREEDY, **kwargs)
+    for cap, a, b in zip(caps, full.outputs, capped.outputs):
+      assert b.token_ids == a.token_ids[:cap] and b.finish_reason == "length"
+  with pytest.raises(UserInputError, match=r"max_new_tokens\[1\]=0"):
+    generate(params, config, prompts, max_new_tokens=[3, 0, 3, 3, 3], sampling=GREEDY)
+  with pytest.raises(UserInputError, match="4 per-row caps for 5 prompts"):
+    generate(params, config, prompts, max_new_tokens=[3, 3, 3, 3], sampling=GREEDY)
+
+
 def test_reduced_draft_vocabulary_stays_exact():
   config, params, drafter = _model(97, seed=4)
   prompts = _prompts(97, (6, 11, 4), seed=2)

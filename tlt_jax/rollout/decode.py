@@ -26,6 +26,7 @@ class DecodeState:
   last_tokens: jax.Array     # [B] int32: last emitted token, the next step's input
   num_generated: jax.Array   # [B] int32
   done: jax.Array            # [B] bool
+  caps: jax.Array            # [B] int32: each row's token budget (<= max_new_tokens)
   out_tokens: jax.Array      # [B, max_new_tokens] int32
   out_logprobs: jax.Array    # [B, max_new_tokens] float32
   key: jax.Array
@@ -56,7 +57,7 @@ def emit(state: DecodeState, tokens, logprobs, live, eos_ids, max_new_tokens) ->
   rows = jnp.arange(tokens.shape[0])
   slot = jnp.where(live, state.num_generated, max_new_tokens)  # out of range -> dropped
   num_generated = state.num_generated + live
-  done = state.done | (live & (_is_eos(tokens, eos_ids) | (num_generated >= max_new_tokens)))
+  done = state.done | (live & (_is_eos(tokens, eos_ids) | (num_generated >= state.caps)))
   return state.replace(
       last_tokens=jnp.where(live, tokens, state.last_tokens),
       num_generated=num_generated,
@@ -75,10 +76,11 @@ def sample_and_score(key, logits, sampling):
                                              "keep_hidden", "rules", "attention_impl"),
                    donate_argnames=("cache",))
 def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, live: jax.Array,
-            cache: KVCache, key: jax.Array, *, config: ModelConfig, sampling: SamplingParams,
+            caps: jax.Array, cache: KVCache, key: jax.Array, *, config: ModelConfig, sampling: SamplingParams,
             eos_ids: tuple[int, ...], max_new_tokens: int, keep_hidden: bool = False,
             rules: MeshRules | None = None, attention_impl: str = "auto") -> DecodeState:
-  """Runs right-padded prompts [B, T] (true lengths [B]) and emits the first token."""
+  """Runs right-padded prompts [B, T] (true lengths [B]) and emits the first token; row b
+  stops after caps[b] tokens (<= max_new_tokens, the width of the output buffers)."""
   b, t = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   hidden, cache = forward(params, config, tokens, positions, cache, None, rules, attention_impl)
@@ -91,6 +93,7 @@ def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, live: jax.Arr
       last_tokens=first,
       num_generated=jnp.zeros((b,), jnp.int32),
       done=~live,
+      caps=caps.astype(jnp.int32),
       out_tokens=jnp.zeros((b, max_new_tokens), jnp.int32),
       out_logprobs=jnp.zeros((b, max_new_tokens), jnp.float32),
       key=key,

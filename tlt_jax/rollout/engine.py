@@ -117,38 +117,49 @@ class _Harvest:
         self.logprobs[prompt] = out_logprobs[row, :counts[row]].tolist()
 
 
-def _validate(prompts, max_new_tokens, config):
+def _row_caps(prompts, max_new_tokens, config) -> np.ndarray:
+  """Each row's token budget, validated against the model's context."""
   if not prompts or any(len(p) == 0 for p in prompts):
     raise UserInputError("prompts: need at least one prompt, and every prompt non-empty")
-  if max_new_tokens < 1:
-    raise UserInputError(f"--max_new_tokens={max_new_tokens}: must be >= 1")
-  longest = max(len(p) for p in prompts)
-  if longest + max_new_tokens > config.max_position_embeddings:
-    raise UserInputError(
-        f"prompt length {longest} + max_new_tokens {max_new_tokens} exceeds the model's "
-        f"max_position_embeddings {config.max_position_embeddings}")
-  return longest
+  per_row = not isinstance(max_new_tokens, (int, np.integer))
+  caps = np.asarray(max_new_tokens if per_row else [max_new_tokens] * len(prompts), np.int64)
+  if caps.shape != (len(prompts),):
+    raise UserInputError(f"max_new_tokens: {caps.size} per-row caps for {len(prompts)} prompts")
+  for i, (prompt, cap) in enumerate(zip(prompts, caps)):
+    name = f"max_new_tokens[{i}]" if per_row else "--max_new_tokens"
+    if cap < 1:
+      raise UserInputError(f"{name}={cap}: must be >= 1")
+    if len(prompt) + cap > config.max_position_embeddings:
+      raise UserInputError(
+          f"{name}={cap}: prompt {i} of {len(prompt)} tokens + {cap} exceeds the model's "
+          f"max_position_embeddings {config.max_position_embeddings}")
+  return caps
 
 
 def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int]], *,
-             max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+             max_new_tokens: int | Sequence[int], sampling: SamplingParams = SamplingParams(),
              eos_ids: Sequence[int] = (), seed: int = 0, buckets: BucketSpec = BucketSpec(),
              chunk_steps: int = 16, rules: MeshRules | None = None,
              spec: SpecConfig | None = None, compact: bool = True,
              attention_impl: str = "auto") -> GenerationResult:
-  """Generates up to `max_new_tokens` tokens for each prompt (lists of token ids).
+  """Generates up to `max_new_tokens` tokens for each prompt (lists of token ids); a
+  sequence gives each prompt its own cap.
 
   attention_impl: "auto" (Pallas kernel on GPU, jnp elsewhere), "reference", "pallas"
   (interpreted off-GPU: slow, for checking) or "triton".
   """
   if attention_impl not in IMPLS:
     raise UserInputError(f"--attention_impl={attention_impl!r}: expected one of {', '.join(IMPLS)}")
-  longest = _validate(prompts, max_new_tokens, config)
+  caps = _row_caps(prompts, max_new_tokens, config)
+  max_new_tokens = int(caps.max())
   batch = buckets.batch_bucket(len(prompts))
-  prompt_len = buckets.prompt_length(longest)
+  prompt_len = buckets.prompt_length(max(len(p) for p in prompts))
   margin = speculative.cache_margin(spec.strategy) if spec else 0
-  cache_len = buckets.cache_length(max(prompt_len, longest + max_new_tokens + margin))
+  reach = max(len(p) + int(cap) for p, cap in zip(prompts, caps))
+  cache_len = buckets.cache_length(max(prompt_len, reach + margin))
   tokens, lengths, live = pad_prompts(prompts, batch, prompt_len)
+  row_caps = np.ones((batch,), np.int32)
+  row_caps[:len(prompts)] = caps
   eos = tuple(sorted(set(int(e) for e in eos_ids)))
   static = dict(config=config, sampling=sampling, eos_ids=eos, max_new_tokens=max_new_tokens,
                 attention_impl=attention_impl)
@@ -157,7 +168,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
 
   start = time.perf_counter()
   state = decode.prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(live),
-                         init_cache(config, batch, cache_len, dtype), jax.random.key(seed),
+                         jnp.asarray(row_caps), init_cache(config, batch, cache_len, dtype), jax.random.key(seed),
                          keep_hidden=spec is not None, rules=rules, **static)
   row_ids = np.where(live, np.arange(batch), -1)
   harvest = _Harvest(len(prompts))
