@@ -5,8 +5,9 @@
 Prints JSON. Part 1: fixed batches (1, 4, 16) at T=0 and T=1, SD on from the first step,
 plain and SD alternated (A B A B ...) after a warm-up run of each, compile time excluded;
 medians and paired ratios. Part 2: a long-tail rollout (64 rows of reasoning prompts whose
-response lengths are long-tailed by natural EOS under a length cap): wall time plain vs
-adaptive SD (switched on for the tail), alternated the same way.
+response lengths are long-tailed by natural EOS and by per-row caps drawn from a Pareto
+law, as in RL rollouts where most responses end early and a few run to the limit): wall
+time plain vs adaptive SD (switched on for the tail), alternated the same way.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.report import emit  # noqa: E402
+import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 _DRAFTER = flags.DEFINE_string("drafter", "runs/drafter_smollm2", "Warmed-up drafter dir.")
@@ -29,7 +31,11 @@ _STRATEGIES = flags.DEFINE_list("strategies", ["4_1_5", "6_2_8", "8_4_16"],
 _NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 128, "Tokens per row, fixed batches.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Alternated A/B repeats per setting.")
 _TAIL_ROWS = flags.DEFINE_integer("tail_rows", 64, "Rows in the long-tail rollout.")
-_TAIL_CAP = flags.DEFINE_integer("tail_cap", 384, "Length cap of the long-tail rollout.")
+_TAIL_CAP = flags.DEFINE_integer("tail_cap", 512, "Length cap of the long-tail rollout.")
+_TAIL_CAP_MIN = flags.DEFINE_integer("tail_cap_min", 48, "Smallest drawn per-row cap.")
+_TAIL_CAP_ALPHA = flags.DEFINE_float(
+    "tail_cap_alpha", 1.5, "Pareto shape of the drawn per-row caps (clipped at --tail_cap); "
+    "0 gives every row --tail_cap.", lower_bound=0.0)
 _TAIL_REPEATS = flags.DEFINE_integer("tail_repeats", 2, "Alternated repeats, long tail.")
 _TAIL_STRATEGY = flags.DEFINE_string("tail_strategy", "4_1_5", "SD strategy for the tail.")
 _TAIL_THRESHOLD = flags.DEFINE_integer("tail_threshold", 8, "SD on at <= this many live rows.")
@@ -43,6 +49,15 @@ _SEED = flags.DEFINE_integer("seed", 12345, "Prompt seed (held out from drafter 
 
 def log(message: str) -> None:
   print(message, file=sys.stderr, flush=True)
+
+
+def _drawn_caps(rows: int):
+  """Per-row caps: Pareto(alpha) from --tail_cap_min, clipped at --tail_cap."""
+  if _TAIL_CAP_ALPHA.value == 0:
+    return np.full(rows, _TAIL_CAP.value)
+  rng = np.random.default_rng(_SEED.value)
+  drawn = _TAIL_CAP_MIN.value * (1 + rng.pareto(_TAIL_CAP_ALPHA.value, rows))
+  return np.minimum(drawn.astype(np.int64), _TAIL_CAP.value)
 
 
 def main(argv):
@@ -113,18 +128,21 @@ def main(argv):
           log(json.dumps(entry))
           report["fixed"].append(entry)
 
-  log(f"long tail: {_TAIL_ROWS.value} rows, cap {_TAIL_CAP.value}")
+  caps = _drawn_caps(_TAIL_ROWS.value)
+  log(f"long tail: {_TAIL_ROWS.value} rows, caps p50 {int(np.median(caps))} max {max(caps)}")
   sampling = SamplingParams(temperature=_TAIL_TEMPERATURE.value)
   plain, sd = alternate(prompts[:_TAIL_ROWS.value], sampling,
                         spec_for(_TAIL_STRATEGY.value, _TAIL_THRESHOLD.value, 10),
-                        _TAIL_CAP.value, _TAIL_REPEATS.value)
+                        caps, _TAIL_REPEATS.value)
   lengths = sorted(len(o.token_ids) for o in plain[-1][1].outputs)
   report["long_tail"] = {
       "rows": _TAIL_ROWS.value, "cap": _TAIL_CAP.value, "strategy": _TAIL_STRATEGY.value,
+      "drawn_caps": {"pareto_alpha": _TAIL_CAP_ALPHA.value, "min": _TAIL_CAP_MIN.value,
+                     "p50": int(np.median(caps)), "rows_at_cap": int(np.sum(caps == _TAIL_CAP.value))},
       "temperature": _TAIL_TEMPERATURE.value,
       "sd_threshold": _TAIL_THRESHOLD.value,
       "response_len": {"p50": lengths[len(lengths) // 2], "p90": lengths[int(len(lengths) * .9)],
-                       "max": lengths[-1], "at_cap": sum(n >= _TAIL_CAP.value for n in lengths)},
+                       "max": lengths[-1]},
       "plain": summary(plain), "adaptive_sd": summary(sd),
       "sd_enabled_frac": sd[-1][1].stats.get("spec/enabled_frac"),
       "speedup_paired_median": statistics.median(p[0] / s[0] for p, s in zip(plain, sd)),

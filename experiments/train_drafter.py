@@ -47,9 +47,6 @@ _WARMUP = flags.DEFINE_integer("warmup_steps", None, "Linear warmup steps (defau
 _DRAFT_VOCAB = flags.DEFINE_integer("draft_vocab_size", 16384, "Draft vocabulary: the most "
                                     "frequent response tokens; 0 keeps the full vocabulary.",
                                     lower_bound=0)
-_INIT = flags.DEFINE_enum("init", "target_layer", ["target_layer", "random"],
-                          "Drafter initialization: the target's last layer fed h_t "
-                          "(a warm start for small corpora) or random.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for prompts, sampling, init and batch order.")
 _RESUME = flags.DEFINE_bool("resume", False, "Continue training from OUT's drafter checkpoint.")
 _LOG_EVERY = flags.DEFINE_integer("log_every", 10, "Steps per progress line.", lower_bound=1)
@@ -275,10 +272,8 @@ def main(argv):
 
   warmup = _STEPS.value // 20 if _WARMUP.value is None else _WARMUP.value
   optimizer = trainer.make_optimizer(_LR.value, _STEPS.value, warmup)
-  init_key = jax.random.key(_SEED.value)
-  initial = (drafter.init_drafter_from_target(config, model.params, init_key)
-             if _INIT.value == "target_layer" else drafter.init_drafter_params(config, init_key))
-  state = trainer.init_train_state(initial, optimizer)
+  state = trainer.init_train_state(
+      drafter.init_drafter_params(config, jax.random.key(_SEED.value)), optimizer)
   history, evals = [], []
   if _RESUME.value:
     state = trainer.restore_train_state(out_dir, state)

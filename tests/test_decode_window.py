@@ -3,13 +3,16 @@ those of a cacheless greedy reference, and the window grows in page x 2^k steps.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from tlt_jax.models import transformer
 from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.drafter import init_drafter_params
 from tlt_jax.models.kv_cache import init_cache
 from tlt_jax.rollout.buckets import BucketSpec
-from tlt_jax.rollout.engine import generate
+from tlt_jax.rollout.engine import SpecConfig, generate
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.strategy import SpecStrategy
 
 CONFIG = ModelConfig(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=64,
                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -42,15 +45,19 @@ def test_attention_window_buckets():
       [8, 8, 16, 16, 32, 40, 40]
 
 
-def test_windowed_decode_matches_cacheless_greedy():
+@pytest.mark.parametrize("strategy", [None, "3_1_4", "3_2_5"])
+def test_windowed_decode_matches_cacheless_greedy(strategy):
   params = transformer.init_params(CONFIG, jax.random.key(3))
   rng = np.random.RandomState(0)
   prompts = [rng.randint(0, CONFIG.vocab_size, n).tolist() for n in (3, 11, 6)]
-  # Page 8 and 4-step chunks: the window grows 8 -> 16 -> 32 -> 56 (the cache) during the run.
+  spec = None if strategy is None else SpecConfig(
+      drafter=init_drafter_params(CONFIG, jax.random.key(4)),
+      strategy=SpecStrategy.parse(strategy), threshold=4, patience=0)
+  # Page 8 and 2-step chunks: the window grows by doubling up to the whole cache.
   result = generate(params, CONFIG, prompts, max_new_tokens=45,
                     sampling=SamplingParams(temperature=0.0),
-                    buckets=BucketSpec(cache_page=8, prompt_page=8), chunk_steps=4)
-  assert result.stats["cache_length"] == 56
+                    buckets=BucketSpec(cache_page=8, prompt_page=8), chunk_steps=2, spec=spec)
+  assert result.stats["cache_length"] >= 56
   for prompt, out in zip(prompts, result.outputs):
     tokens, logprobs = _greedy_without_cache(params, prompt, 45)
     assert out.token_ids == tokens

@@ -35,26 +35,6 @@ def init_drafter_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32) 
   return {"fc": fc, "fc_bias": jnp.zeros((e,), dtype), "layers": layers}
 
 
-def init_drafter_from_target(config: ModelConfig, target: transformer.Params, key: jax.Array
-                             ) -> DrafterParams:
-  """A warm start: the target's last layer, fed h_t itself.
-
-  The layer's attention and MLP weights start from the target's last layer, with its input
-  norm gain folded into the q/k/v projections (the drafter layer has no input norm), and fc
-  passes h_t through while the token embedding enters with a small random projection. The
-  drafter thus starts from "h_{t+1} = h_t + one more target layer" rather than from noise,
-  which matters when the warm-up corpus is small.
-  """
-  params = init_drafter_params(config, key, target["embed"].dtype)
-  last = {name: w[-1:] for name, w in target["layers"].items()}
-  gain = last["attn_norm"][:, :, None]
-  e = config.hidden_size
-  layers = {name: last[name] for name in params["layers"]}
-  layers.update(wq=last["wq"] * gain, wk=last["wk"] * gain, wv=last["wv"] * gain)
-  fc = params["fc"].at[e:].set(jnp.eye(e, dtype=params["fc"].dtype)).at[:e].multiply(0.1)
-  return params | {"fc": fc, "layers": layers}
-
-
 def drafter_layer_config(config: ModelConfig) -> ModelConfig:
   """The target config seen by the drafter's single layer (no q/k norm, no qkv bias)."""
   return dataclasses.replace(config, num_layers=1, qkv_bias=False, qk_norm=False)

@@ -179,6 +179,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
     base = state.base if isinstance(state, speculative.SpecState) else state
     done = np.asarray(base.done)
     live_rows = int((~done).sum())
+    longest_live = int(np.asarray(base.cache.lengths)[~done].max(initial=0))
     generated = int(np.asarray(base.num_generated).sum())
     trace.append((round(time.perf_counter() - start, 4), live_rows))
     if live_rows == 0:
@@ -204,16 +205,20 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
             init_drafter_cache(config, state.done.shape[0], cache_len, dtype),
             config=config, strategy=spec.strategy, attention_impl=attention_impl)
     last_generated = generated
-    if isinstance(state, speculative.SpecState):
+    speculating = isinstance(state, speculative.SpecState)
+    # Attend over only the cache prefix this chunk can reach (slots it may write included).
+    reach = longest_live + (
+        chunk_steps * (spec.strategy.depth + 1) + margin if speculating else chunk_steps)
+    window = buckets.attention_window(reach, cache_len)
+    window = None if window == cache_len else window
+    if speculating:
       state = speculative.spec_chunk(params, spec.drafter, spec.vocab_ids, state,
-                                     strategy=spec.strategy, chunk_steps=chunk_steps, **static)
+                                     strategy=spec.strategy, chunk_steps=chunk_steps,
+                                     window=window, **static)
       spec_steps += 1
     else:
-      reach = int(np.asarray(base.cache.lengths)[~done].max()) + chunk_steps
-      window = buckets.attention_window(reach, cache_len)
-      state = decode.decode_chunk(params, state, chunk_steps=chunk_steps,
-                                  window=None if window == cache_len else window, rules=rules,
-                                  **static)
+      state = decode.decode_chunk(params, state, chunk_steps=chunk_steps, window=window,
+                                  rules=rules, **static)
       plain_steps += 1
   total_s = time.perf_counter() - start
 

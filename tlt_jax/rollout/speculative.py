@@ -247,7 +247,8 @@ def spec_step(params: Params, drafter: DrafterParams, head: jax.Array,
       jnp.take_along_axis(policy_logprobs(logits, sampling), path[:, :, None], axis=1),
       emitted[:, :, None], axis=2)[..., 0]
 
-  base = base.replace(key=key).record(jnp.where(in_path, dst, cache.max_len), path_tokens,
+  off_path = jnp.iinfo(jnp.int32).max  # out of range for `record`: dropped
+  base = base.replace(key=key).record(jnp.where(in_path, dst, off_path), path_tokens,
                                       path_hidden)
   base = base.replace(cache=cache.advance(jnp.where(live, num_accepted + 1, 0)))
   generated_before = base.num_generated
@@ -262,15 +263,24 @@ def spec_step(params: Params, drafter: DrafterParams, head: jax.Array,
 
 
 @functools.partial(jax.jit, static_argnames=("config", "strategy", "sampling", "eos_ids",
-                                             "max_new_tokens", "chunk_steps",
+                                             "max_new_tokens", "chunk_steps", "window",
                                              "attention_impl"),
                    donate_argnames=("state",))
 def spec_chunk(params: Params, drafter: DrafterParams, vocab_ids: jax.Array | None,
                state: SpecState, *, config: ModelConfig, strategy: SpecStrategy,
                sampling: SamplingParams, eos_ids: tuple[int, ...], max_new_tokens: int,
-               chunk_steps: int, attention_impl: str = "auto") -> SpecState:
-  """Up to `chunk_steps` speculative steps in one program; stops when all rows are done."""
+               chunk_steps: int, window: int | None = None,
+               attention_impl: str = "auto") -> SpecState:
+  """Up to `chunk_steps` speculative steps in one program; stops when all rows are done.
+
+  window: both caches are cut to their first `window` slots for the chunk (the caller
+  guarantees every write of the chunk lands inside); None is the whole cache.
+  """
   head = draft_head(params, config, vocab_ids)
+  full_cache, full_draft_cache = state.base.cache, state.draft_cache
+  if window is not None:
+    state = state.replace(base=state.base.replace(cache=full_cache.window(window)),
+                          draft_cache=full_draft_cache.window(window))
 
   def step(carry):
     i, s = carry
@@ -282,4 +292,8 @@ def spec_chunk(params: Params, drafter: DrafterParams, vocab_ids: jax.Array | No
     i, s = carry
     return (i < chunk_steps) & ~jnp.all(s.base.done)
 
-  return jax.lax.while_loop(cond, step, (jnp.int32(0), state))[1]
+  state = jax.lax.while_loop(cond, step, (jnp.int32(0), state))[1]
+  if window is not None:
+    state = state.replace(base=state.base.replace(cache=full_cache.put_window(state.base.cache)),
+                          draft_cache=full_draft_cache.put_window(state.draft_cache))
+  return state
