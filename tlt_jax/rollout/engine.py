@@ -19,7 +19,7 @@ import numpy as np
 
 from tlt_jax.errors import UserInputError
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.drafter import DrafterParams, init_drafter_cache
+from tlt_jax.models.drafter import DrafterParams, draft_head, init_drafter_cache
 from tlt_jax.models.kv_cache import KVCache, init_cache
 from tlt_jax.models.transformer import Params
 from tlt_jax.pallas.tree_attention import IMPLS
@@ -200,6 +200,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
         steps_below = 0
       if live_rows <= spec.threshold and steps_below >= spec.patience:
         spec_on_at = time.perf_counter() - start
+        head = draft_head(params, config, spec.vocab_ids)
         state = speculative.start_speculation(
             params, spec.drafter, state,
             init_drafter_cache(config, state.done.shape[0], cache_len, dtype),
@@ -212,7 +213,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
     window = buckets.attention_window(reach, cache_len)
     window = None if window == cache_len else window
     if speculating:
-      state = speculative.spec_chunk(params, spec.drafter, spec.vocab_ids, state,
+      state = speculative.spec_chunk(params, spec.drafter, head, spec.vocab_ids, state,
                                      strategy=spec.strategy, chunk_steps=chunk_steps,
                                      window=window, **static)
       spec_steps += 1

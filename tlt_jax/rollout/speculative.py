@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.drafter import DrafterParams, draft_head, draft_logits, drafter_forward
+from tlt_jax.models.drafter import DrafterParams, draft_logits, drafter_forward
 from tlt_jax.models.kv_cache import KVCache
 from tlt_jax.models.transformer import Params, forward, lm_logits
 from tlt_jax.rollout.decode import DecodeState, emit
@@ -266,17 +266,19 @@ def spec_step(params: Params, drafter: DrafterParams, head: jax.Array,
                                              "max_new_tokens", "chunk_steps", "window",
                                              "attention_impl"),
                    donate_argnames=("state",))
-def spec_chunk(params: Params, drafter: DrafterParams, vocab_ids: jax.Array | None,
-               state: SpecState, *, config: ModelConfig, strategy: SpecStrategy,
+def spec_chunk(params: Params, drafter: DrafterParams, head: jax.Array,
+               vocab_ids: jax.Array | None, state: SpecState, *, config: ModelConfig, strategy: SpecStrategy,
                sampling: SamplingParams, eos_ids: tuple[int, ...], max_new_tokens: int,
                chunk_steps: int, window: int | None = None,
                attention_impl: str = "auto") -> SpecState:
   """Up to `chunk_steps` speculative steps in one program; stops when all rows are done.
 
+  head: `draft_head(params, config, vocab_ids)`, made once per rollout by the caller (its
+  column gather costs about as much as a drafter step on CPU).
+
   window: both caches are cut to their first `window` slots for the chunk (the caller
   guarantees every write of the chunk lands inside); None is the whole cache.
   """
-  head = draft_head(params, config, vocab_ids)
   full_cache, full_draft_cache = state.base.cache, state.draft_cache
   if window is not None:
     state = state.replace(base=state.base.replace(cache=full_cache.window(window)),
