@@ -212,6 +212,18 @@ def test_cli_trains_and_resumes(tiny_hf_dirs, tmp_path):
   assert np.isfinite(metrics["held_out"]["loss"]) and metrics["corpus"]["held_out_samples"] == 1
   _, vocab = trainer.load_drafter(out, ModelConfig.from_hf_dir(tiny_hf_dirs["llama"]))
   assert len(vocab) == 64
+  assert os.path.isfile(os.path.join(out, "hidden_states_train.npy"))
+
+  # A second run adds the first run's corpus to its own (40 samples: 2 held out).
+  mixed = str(tmp_path / "mixed")
+  flags[1] = f"--out={mixed}"
+  both = _cli(*flags, "--steps=1", "--seed=1", f"--extra_corpora={out}/corpus.json")
+  assert both.returncode == 0, both.stderr[-2000:]
+  with open(os.path.join(mixed, "metrics.json")) as f:
+    assert json.load(f)["corpus"]["held_out_samples"] == 2
+  bad = _cli(*flags, "--steps=1", f"--extra_corpora={out}/metrics.json")
+  assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
+  assert "metrics.json is not a train_drafter corpus.json" in bad.stderr
 
 
 def test_cli_bad_flag_exits_2(tmp_path):
