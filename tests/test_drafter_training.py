@@ -88,6 +88,37 @@ def test_packed_rows_match_samples_run_alone(target_params):
     np.testing.assert_allclose(pred[r, where[:-1]], alone_pred[i, :n - 1], atol=1e-5)
 
 
+def test_unrolled_passes_compute_what_drafting_computes(target_params):
+  """Pass m at index j equals the drafter run as a rollout runs it: the true context up to
+  slot j in the cache, then a chain of nodes each fed its parent's predicted feature."""
+  params = drafter.init_drafter_params(CONFIG, jax.random.key(4))
+  rows = packing.pack_samples(_samples(3, 3), seq_len=48)
+  hidden = trainer.target_hidden(target_params, rows, config=CONFIG)
+  tokens, _ = trainer.drafter_pairs(rows, hidden)
+  preds = trainer.unrolled_forward(params, target_params, CONFIG, tokens, hidden,
+                                   jnp.asarray(rows.positions), jnp.asarray(rows.new_mask), 3)
+  segments, checked = rows.segment_ids[0], 0
+  for j in range(rows.tokens.shape[1] - 2):
+    if not segments[j] or segments[j + 2] != segments[j]:
+      continue
+    start = int(np.argmax(segments == segments[j]))          # this sample's first slot
+    cache = drafter.init_drafter_cache(CONFIG, 1, 64)
+    span = slice(start, j + 1)
+    pred, cache = drafter.drafter_forward(params, target_params, CONFIG, tokens[:1, span],
+                                          hidden[:1, span], rows.positions[:1, span], cache)
+    feature = pred[:, -1:]
+    cache = cache.advance(jnp.array([j + 1 - start]))
+    for m in (2, 3):                                          # tree levels 1 and 2
+      slot = j + m - 1
+      feature, cache = drafter.drafter_forward(
+          params, target_params, CONFIG, tokens[:1, slot:slot + 1], feature,
+          rows.positions[:1, slot:slot + 1], cache)
+      cache = cache.advance(jnp.array([1]))
+      np.testing.assert_allclose(feature[0, 0], preds[m - 1][0, j], atol=1e-5)
+    checked += 1
+  assert checked >= 10
+
+
 def test_reduced_vocab_loss_is_restricted_target_distribution():
   keys = jax.random.split(jax.random.key(2), 3)
   pred, target = (jax.random.normal(k, (2, 5, 8)) for k in keys[:2])

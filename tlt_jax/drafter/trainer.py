@@ -125,45 +125,97 @@ def drafter_pairs(batch: PackedRows, hidden: jax.Array) -> tuple[jax.Array, jax.
   return next_tokens, next_hidden
 
 
+def _shift(x: jax.Array, k: int) -> jax.Array:
+  """x[:, j + k] at j (zeros past the end)."""
+  if k == 0:
+    return x
+  pad = [(0, 0), (0, k)] + [(0, 0)] * (x.ndim - 2)
+  return jnp.pad(x[:, k:], pad)
+
+
+def unrolled_forward(params: DrafterParams, target_params: transformer.Params,
+                     config: ModelConfig, tokens: jax.Array, hidden: jax.Array,
+                     positions: jax.Array, context: jax.Array, unroll: int
+                     ) -> list[jax.Array]:
+  """Drafter predictions of `unroll` passes over drafter pairs (tokens [B, T] = x_{j+1},
+  hidden [B, T, E] = h_j, context [B, T, T] the teacher-forced visibility).
+
+  Pass 1 is teacher-forced: slot j consumes the true h_j. Pass m (m >= 2) is what tree level
+  m-1 computes at rollout ("training-time test"): its index j stands for slot j+m-1 and
+  consumes the drafter's own prediction from pass m-1 at j; it attends to pass 1's keys
+  visible from slot j (the true context), to its own chain's keys from passes 2..m-1 (its
+  tree ancestors) and to itself. All passes share one cache of unroll x T slots.
+  """
+  b, t = tokens.shape
+  cache = init_drafter_cache(config, b, t * unroll, params["fc"].dtype)
+  itself = jnp.broadcast_to(jnp.eye(t, dtype=bool), (b, t, t))
+  preds, inputs = [], hidden
+  for m in range(1, unroll + 1):
+    if m == 1:
+      new_mask, cache_mask = context, None
+    else:
+      blocks = [context] + [itself] * (m - 2) + [jnp.zeros_like(itself)] * (unroll - m + 1)
+      new_mask, cache_mask = itself, jnp.concatenate(blocks, axis=-1)
+    inputs, cache = drafter_forward(
+        params, target_params, config, _shift(tokens, m - 1), inputs,
+        _shift(positions, m - 1), cache.replace(lengths=jnp.full((b,), (m - 1) * t, jnp.int32)),
+        new_mask, cache_mask)
+    preds.append(inputs)
+  return preds
+
+
 def _loss(params: DrafterParams, target_params: transformer.Params, batch: PackedRows,
           hidden: jax.Array, vocab_ids: jax.Array | None, config: ModelConfig,
-          ce_weight: float) -> tuple[jax.Array, dict[str, jax.Array]]:
+          ce_weight: float, unroll: int) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """The EAGLE loss averaged over the unrolled passes; pass m's slots are those whose chain
+  stays inside one sample's response."""
   hidden = jax.lax.stop_gradient(hidden)
   tokens, targets = drafter_pairs(batch, hidden)
-  b, t = tokens.shape
-  cache = init_drafter_cache(config, b, t, params["fc"].dtype)
-  pred, _ = drafter_forward(params, target_params, config, tokens, hidden, batch.positions,
-                            cache, batch.new_mask)
   head = draft_head(target_params, config, vocab_ids)
-  return eagle_loss(pred, targets, head, batch.loss_mask, ce_weight)
+  preds = unrolled_forward(params, target_params, config, tokens, hidden, batch.positions,
+                           batch.new_mask, unroll)
+  total, metrics = 0.0, {}
+  for k, pred in enumerate(preds):
+    weights = _shift(batch.loss_mask, k) * (_shift(batch.segment_ids, k) == batch.segment_ids)
+    loss, step_metrics = eagle_loss(pred, _shift(targets, k), head, weights, ce_weight)
+    total += loss / unroll
+    if k == 0:
+      metrics = step_metrics
+    else:
+      metrics[f"top1_acc_pass{k + 1}"] = step_metrics["top1_acc"]
+  metrics["loss"] = total
+  return total, metrics
 
 
-@functools.partial(jax.jit, static_argnames=("config", "optimizer", "ce_weight"),
+@functools.partial(jax.jit, static_argnames=("config", "optimizer", "ce_weight", "unroll"),
                    donate_argnames=("state",))
 def train_step(state: TrainState, target_params: transformer.Params, batch: PackedRows,
                vocab_ids: jax.Array | None = None, hidden: jax.Array | None = None, *,
                config: ModelConfig, optimizer: optax.GradientTransformation,
-               ce_weight: float = CE_WEIGHT) -> tuple[TrainState, dict[str, jax.Array]]:
-  """One optimizer step on packed rows [B, T]; `hidden` None runs the target forward."""
+               ce_weight: float = CE_WEIGHT, unroll: int = 1
+               ) -> tuple[TrainState, dict[str, jax.Array]]:
+  """One optimizer step on packed rows [B, T]; `hidden` None runs the target forward.
+  unroll: passes of the loss (1: teacher-forced only; see `_loss`)."""
   if hidden is None:
     hidden = target_hidden(target_params, batch, config=config)
   grad_fn = jax.value_and_grad(_loss, has_aux=True)
   (_, metrics), grads = grad_fn(state.params, target_params, batch, hidden, vocab_ids, config,
-                                ce_weight)
+                                ce_weight, unroll)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics["grad_norm"] = optax.tree.norm(grads)
   return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
 
 
-@functools.partial(jax.jit, static_argnames=("config", "ce_weight"))
+@functools.partial(jax.jit, static_argnames=("config", "ce_weight", "unroll"))
 def eval_step(params: DrafterParams, target_params: transformer.Params, batch: PackedRows,
               vocab_ids: jax.Array | None = None, hidden: jax.Array | None = None, *,
-              config: ModelConfig, ce_weight: float = CE_WEIGHT) -> dict[str, jax.Array]:
+              config: ModelConfig, ce_weight: float = CE_WEIGHT,
+              unroll: int = 1) -> dict[str, jax.Array]:
   """The train step's metrics without an update, e.g. on held-out rows."""
   if hidden is None:
     hidden = target_hidden(target_params, batch, config=config)
-  return _loss(params, target_params, batch, hidden, vocab_ids, config, ce_weight)[1]
+  return _loss(params, target_params, batch, hidden, vocab_ids, config, ce_weight, unroll)[1]
 
 
 def select_draft_vocab(token_id_lists: Iterable[Sequence[int]], size: int, *,
