@@ -155,8 +155,8 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
   batch = buckets.batch_bucket(len(prompts))
   prompt_len = buckets.prompt_length(max(len(p) for p in prompts))
   margin = speculative.cache_margin(spec.strategy) if spec else 0
-  reach = max(len(p) + int(cap) for p, cap in zip(prompts, caps))
-  cache_len = buckets.cache_length(max(prompt_len, reach + margin))
+  longest_row = max(len(p) + int(cap) for p, cap in zip(prompts, caps))
+  cache_len = buckets.cache_length(max(prompt_len, longest_row + margin))
   tokens, lengths, live = pad_prompts(prompts, batch, prompt_len)
   row_caps = np.ones((batch,), np.int32)
   row_caps[:len(prompts)] = caps
