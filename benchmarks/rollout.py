@@ -30,7 +30,8 @@ _STRATEGIES = flags.DEFINE_list("strategies", ["4_1_5", "6_2_8", "8_4_16"],
                                 "SD strategies tried per setting (the best is reported).")
 _NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 128, "Tokens per row, fixed batches.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Alternated A/B repeats per setting.")
-_TAIL_ROWS = flags.DEFINE_integer("tail_rows", 64, "Rows in the long-tail rollout.")
+_TAIL_ROWS = flags.DEFINE_integer("tail_rows", 64, "Rows in the long-tail rollout (0: skip it).",
+                                  lower_bound=0)
 _TAIL_CAP = flags.DEFINE_integer("tail_cap", 512, "Length cap of the long-tail rollout.")
 _TAIL_CAP_MIN = flags.DEFINE_integer("tail_cap_min", 48, "Smallest drawn per-row cap.")
 _TAIL_CAP_ALPHA = flags.DEFINE_float(
@@ -128,27 +129,29 @@ def main(argv):
           log(json.dumps(entry))
           report["fixed"].append(entry)
 
-  caps = _drawn_caps(_TAIL_ROWS.value)
-  log(f"long tail: {_TAIL_ROWS.value} rows, caps p50 {int(np.median(caps))} max {max(caps)}")
-  sampling = SamplingParams(temperature=_TAIL_TEMPERATURE.value)
-  plain, sd = alternate(prompts[:_TAIL_ROWS.value], sampling,
-                        spec_for(_TAIL_STRATEGY.value, _TAIL_THRESHOLD.value, 10),
-                        caps, _TAIL_REPEATS.value)
-  lengths = sorted(len(o.token_ids) for o in plain[-1][1].outputs)
-  report["long_tail"] = {
-      "rows": _TAIL_ROWS.value, "cap": _TAIL_CAP.value, "strategy": _TAIL_STRATEGY.value,
-      "drawn_caps": {"pareto_alpha": _TAIL_CAP_ALPHA.value, "min": _TAIL_CAP_MIN.value,
-                     "p50": int(np.median(caps)), "rows_at_cap": int(np.sum(caps == _TAIL_CAP.value))},
-      "temperature": _TAIL_TEMPERATURE.value,
-      "sd_threshold": _TAIL_THRESHOLD.value,
-      "response_len": {"p50": lengths[len(lengths) // 2], "p90": lengths[int(len(lengths) * .9)],
-                       "max": lengths[-1]},
-      "plain": summary(plain), "adaptive_sd": summary(sd),
-      "sd_enabled_frac": sd[-1][1].stats.get("spec/enabled_frac"),
-      "speedup_paired_median": statistics.median(p[0] / s[0] for p, s in zip(plain, sd)),
-      "live_rows_plain": plain[-1][1].stats["rollout/live_rows"],
-      "live_rows_sd": sd[-1][1].stats["rollout/live_rows"],
-  }
+  if _TAIL_ROWS.value:
+    caps = _drawn_caps(_TAIL_ROWS.value)
+    log(f"long tail: {_TAIL_ROWS.value} rows, caps p50 {int(np.median(caps))} max {max(caps)}")
+    sampling = SamplingParams(temperature=_TAIL_TEMPERATURE.value)
+    plain, sd = alternate(prompts[:_TAIL_ROWS.value], sampling,
+                          spec_for(_TAIL_STRATEGY.value, _TAIL_THRESHOLD.value, 10),
+                          caps, _TAIL_REPEATS.value)
+    lengths = sorted(len(o.token_ids) for o in plain[-1][1].outputs)
+    report["long_tail"] = {
+        "rows": _TAIL_ROWS.value, "cap": _TAIL_CAP.value, "strategy": _TAIL_STRATEGY.value,
+        "drawn_caps": {"pareto_alpha": _TAIL_CAP_ALPHA.value, "min": _TAIL_CAP_MIN.value,
+                       "p50": int(np.median(caps)),
+                       "rows_at_cap": int(np.sum(caps == _TAIL_CAP.value))},
+        "temperature": _TAIL_TEMPERATURE.value,
+        "sd_threshold": _TAIL_THRESHOLD.value,
+        "response_len": {"p50": lengths[len(lengths) // 2],
+                         "p90": lengths[int(len(lengths) * .9)], "max": lengths[-1]},
+        "plain": summary(plain), "adaptive_sd": summary(sd),
+        "sd_enabled_frac": sd[-1][1].stats.get("spec/enabled_frac"),
+        "speedup_paired_median": statistics.median(p[0] / s[0] for p, s in zip(plain, sd)),
+        "live_rows_plain": plain[-1][1].stats["rollout/live_rows"],
+        "live_rows_sd": sd[-1][1].stats["rollout/live_rows"],
+    }
   emit(report, _OUTPUT.value)
 
 
