@@ -76,7 +76,8 @@ def sample_and_score(key, logits, sampling):
                                              "keep_hidden", "rules", "attention_impl"),
                    donate_argnames=("cache",))
 def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, live: jax.Array,
-            caps: jax.Array, cache: KVCache, key: jax.Array, *, config: ModelConfig, sampling: SamplingParams,
+            caps: jax.Array, cache: KVCache, key: jax.Array, *, config: ModelConfig,
+            sampling: SamplingParams,
             eos_ids: tuple[int, ...], max_new_tokens: int, keep_hidden: bool = False,
             rules: MeshRules | None = None, attention_impl: str = "auto") -> DecodeState:
   """Runs right-padded prompts [B, T] (true lengths [B]) and emits the first token; row b

@@ -168,7 +168,8 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
 
   start = time.perf_counter()
   state = decode.prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(live),
-                         jnp.asarray(row_caps), init_cache(config, batch, cache_len, dtype), jax.random.key(seed),
+                         jnp.asarray(row_caps), init_cache(config, batch, cache_len, dtype),
+                         jax.random.key(seed),
                          keep_hidden=spec is not None, rules=rules, **static)
   row_ids = np.where(live, np.arange(batch), -1)
   harvest = _Harvest(len(prompts))

@@ -267,7 +267,8 @@ def spec_step(params: Params, drafter: DrafterParams, head: jax.Array,
                                              "attention_impl"),
                    donate_argnames=("state",))
 def spec_chunk(params: Params, drafter: DrafterParams, head: jax.Array,
-               vocab_ids: jax.Array | None, state: SpecState, *, config: ModelConfig, strategy: SpecStrategy,
+               vocab_ids: jax.Array | None, state: SpecState, *, config: ModelConfig,
+               strategy: SpecStrategy,
                sampling: SamplingParams, eos_ids: tuple[int, ...], max_new_tokens: int,
                chunk_steps: int, window: int | None = None,
                attention_impl: str = "auto") -> SpecState:
