@@ -68,6 +68,10 @@ def start_speculation(params: Params, drafter: DrafterParams, base: DecodeState,
   pend_hidden = jnp.zeros((b, strategy.depth + 1, config.hidden_size), base.hidden_buf.dtype)
   pend_hidden = pend_hidden.at[:, 0].set(base.hidden_buf[rows, lengths - 1])
   zeros = jnp.zeros((b,), jnp.int32)
+  # The kept tokens and hidden states have served their one purpose (this drafter prefill).
+  # Recording them on in the SD loop costs a copy of loop state per step (~10 ms of a 36 ms
+  # depth-1 step on CPU, measured), so speculation runs without them.
+  base = base.replace(history=None, hidden_buf=None)
   return SpecState(base=base, draft_cache=draft_cache.replace(lengths=lengths - 1),
                    pend_tokens=pend_tokens, pend_hidden=pend_hidden,
                    pend_count=jnp.ones((b,), jnp.int32), spec_steps=zeros, spec_tokens=zeros)
