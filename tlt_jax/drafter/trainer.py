@@ -112,25 +112,22 @@ def target_hidden(target_params: transformer.Params, batch: PackedRows, *,
   return hidden
 
 
-def drafter_pairs(batch: PackedRows, hidden: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Slot j's input token x_{j+1} (0 past its sample's end) and its target h_{j+1}.
-
-  The slot at a sample's last token has no successor; it is visible only to itself and
-  carries no loss weight, so whatever it holds never reaches the loss.
-  """
-  same_sample = batch.segment_ids[:, 1:] == batch.segment_ids[:, :-1]
-  next_tokens = jnp.where(same_sample, batch.tokens[:, 1:], 0)
-  next_tokens = jnp.pad(next_tokens, ((0, 0), (0, 1)))
-  next_hidden = jnp.pad(hidden[:, 1:], ((0, 0), (0, 1), (0, 0)))
-  return next_tokens, next_hidden
-
-
 def _shift(x: jax.Array, k: int) -> jax.Array:
   """x[:, j + k] at j (zeros past the end)."""
   if k == 0:
     return x
   pad = [(0, 0), (0, k)] + [(0, 0)] * (x.ndim - 2)
   return jnp.pad(x[:, k:], pad)
+
+
+def drafter_pairs(batch: PackedRows, hidden: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Slot j's input token x_{j+1} (0 past its sample's end) and its target h_{j+1}.
+
+  The slot at a sample's last token has no successor; it is visible only to itself and
+  carries no loss weight, so whatever it holds never reaches the loss.
+  """
+  same_sample = _shift(batch.segment_ids, 1) == batch.segment_ids
+  return jnp.where(same_sample, _shift(batch.tokens, 1), 0), _shift(hidden, 1)
 
 
 def unrolled_forward(params: DrafterParams, target_params: transformer.Params,

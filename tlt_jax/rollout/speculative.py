@@ -245,16 +245,12 @@ def spec_step(params: Params, drafter: DrafterParams, head: jax.Array,
   cache = cache.replace(k=cache.k.at[:, r, :, dst].set(cache.k[:, r, :, src]),
                         v=cache.v.at[:, r, :, dst].set(cache.v[:, r, :, src]))
 
-  path_tokens = jnp.take_along_axis(tokens, path, axis=1)
   path_hidden = jnp.take_along_axis(hidden, path[:, :, None], axis=1)
   emitted_logprobs = jnp.take_along_axis(
       jnp.take_along_axis(policy_logprobs(logits, sampling), path[:, :, None], axis=1),
       emitted[:, :, None], axis=2)[..., 0]
 
-  off_path = jnp.iinfo(jnp.int32).max  # out of range for `record`: dropped
-  base = base.replace(key=key).record(jnp.where(in_path, dst, off_path), path_tokens,
-                                      path_hidden)
-  base = base.replace(cache=cache.advance(jnp.where(live, num_accepted + 1, 0)))
+  base = base.replace(key=key, cache=cache.advance(jnp.where(live, num_accepted + 1, 0)))
   generated_before = base.num_generated
   for j in range(depth + 1):
     base = emit(base, emitted[:, j], emitted_logprobs[:, j], ~base.done & in_path[:, j] & live,
