@@ -36,6 +36,15 @@ class KVCache:
   def advance(self, num_tokens: jax.Array) -> "KVCache":
     return self.replace(lengths=self.lengths + num_tokens.astype(jnp.int32))
 
+  def write(self, slots: jax.Array, new_k: jax.Array, new_v: jax.Array) -> "KVCache":
+    """Writes new K/V [L, B, T, K, D] at slots [B, T] (out-of-range slots are dropped);
+    lengths are unchanged."""
+    rows = jnp.arange(slots.shape[0])[:, None]
+    # Index arrays split by a slice put their dims first: updates are [B, T, L, K, D].
+    put = lambda buf, new: buf.at[:, rows, :, slots].set(new.transpose(1, 2, 0, 3, 4),
+                                                          mode="drop")
+    return self.replace(k=put(self.k, new_k), v=put(self.v, new_v))
+
   def window(self, length: int) -> "KVCache":
     """The first `length` slots of every row: attention over a short context then costs
     what the context needs, not what the longest possible row needs."""

@@ -145,17 +145,19 @@ def _layer(config: ModelConfig, inv_freq: np.ndarray, rules: MeshRules | None,
   return constrain(x, ("batch", None, "act_embed"), rules), k, v
 
 
-def run_layers(layers: Params, config: ModelConfig, x: jax.Array, positions: jax.Array,
-               cache: KVCache, new_mask: jax.Array | None = None,
-               rules: MeshRules | None = None, cache_mask: jax.Array | None = None,
-               attention_impl: str = "auto") -> tuple[jax.Array, KVCache]:
-  """Runs a stack of decoder layers on embeddings x [B, T, E]; the cache has one entry per
-  layer. Shared by the target model and the one-layer drafter.
+def run_layers_new_kv(layers: Params, config: ModelConfig, x: jax.Array, positions: jax.Array,
+                      cache: KVCache, new_mask: jax.Array | None = None,
+                      rules: MeshRules | None = None, cache_mask: jax.Array | None = None,
+                      attention_impl: str = "auto"
+                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Runs a stack of decoder layers on embeddings x [B, T, E] against a read-only cache
+  with one entry per layer; returns (x, new_k, new_v), the new K/V as [L, B, T, K, D].
+  Shared by the target model and the one-layer drafter.
 
   Visibility: new_mask [B, T, T] among the new tokens (default causal) and cache_mask
-  [B, T, max_len] over the cache as it was before this call (default: the committed
-  prefix). A drafter growing a tree over several calls passes a cache_mask that also shows
-  uncommitted ancestors written by earlier calls, but not their siblings.
+  [B, T, max_len] over the cache (default: the committed prefix). A drafter growing a
+  tree over several calls passes a cache_mask that also shows uncommitted ancestors
+  written by earlier calls, but not their siblings.
   attention_impl picks the attention kernel (see `tlt_jax.pallas.tree_attention`).
   """
   b, t, _ = x.shape
@@ -163,7 +165,6 @@ def run_layers(layers: Params, config: ModelConfig, x: jax.Array, positions: jax
   if cache_mask is None:
     cache_mask = prefix_mask(cache.lengths, t, cache.max_len)
   inv_freq = inverse_frequencies(config.rope, config.head_dim)
-  write_idx = cache.lengths[:, None] + jnp.arange(t)[None, :]
 
   def body(x, scanned):
     layer, layer_keys, layer_values = scanned
@@ -171,12 +172,32 @@ def run_layers(layers: Params, config: ModelConfig, x: jax.Array, positions: jax
                      layer_values, positions, cache_mask, new_mask)
     return x, (k, v)
 
-  x, (new_k, new_v) = jax.lax.scan(body, x, (layers, cache.k, cache.v))   # new: [L, B, T, K, D]
-  rows = jnp.arange(b)[:, None]
-  # Index arrays split by a slice put their dims first: updates are [B, T, L, K, D].
-  k_cache = cache.k.at[:, rows, :, write_idx].set(new_k.transpose(1, 2, 0, 3, 4), mode="drop")
-  v_cache = cache.v.at[:, rows, :, write_idx].set(new_v.transpose(1, 2, 0, 3, 4), mode="drop")
-  return x, cache.replace(k=k_cache, v=v_cache)
+  x, (new_k, new_v) = jax.lax.scan(body, x, (layers, cache.k, cache.v))
+  return x, new_k, new_v
+
+
+def run_layers(layers: Params, config: ModelConfig, x: jax.Array, positions: jax.Array,
+               cache: KVCache, new_mask: jax.Array | None = None,
+               rules: MeshRules | None = None, cache_mask: jax.Array | None = None,
+               attention_impl: str = "auto") -> tuple[jax.Array, KVCache]:
+  """`run_layers_new_kv`, then the new K/V written at `cache.lengths + arange(T)`."""
+  x, new_k, new_v = run_layers_new_kv(layers, config, x, positions, cache, new_mask, rules,
+                                      cache_mask, attention_impl)
+  slots = cache.lengths[:, None] + jnp.arange(x.shape[1])[None, :]
+  return x, cache.write(slots, new_k, new_v)
+
+
+def forward_new_kv(params: Params, config: ModelConfig, tokens: jax.Array,
+                   positions: jax.Array, cache: KVCache, new_mask: jax.Array | None = None,
+                   rules: MeshRules | None = None, attention_impl: str = "auto"
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Like `forward`, but the cache is only read: returns (hidden, new_k, new_v) with the
+  new K/V as [L, B, T, K, D], for a caller that writes back only some of them (a
+  speculative step keeps just the accepted path)."""
+  x = constrain(embed_tokens(params, tokens), ("batch", None, "act_embed"), rules)
+  x, new_k, new_v = run_layers_new_kv(params["layers"], config, x, positions, cache, new_mask,
+                                      rules, attention_impl=attention_impl)
+  return rms_norm(x, params["final_norm"], config.rms_norm_eps), new_k, new_v
 
 
 def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
@@ -189,7 +210,7 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
   the final post-norm hidden states [B, T, E] and the cache with the new K/V written at
   `cache.lengths + arange(T)`; lengths are NOT advanced (see `KVCache.advance`).
   """
-  x = constrain(embed_tokens(params, tokens), ("batch", None, "act_embed"), rules)
-  x, cache = run_layers(params["layers"], config, x, positions, cache, new_mask, rules,
-                        attention_impl=attention_impl)
-  return rms_norm(x, params["final_norm"], config.rms_norm_eps), cache
+  hidden, new_k, new_v = forward_new_kv(params, config, tokens, positions, cache, new_mask,
+                                        rules, attention_impl)
+  slots = cache.lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]
+  return hidden, cache.write(slots, new_k, new_v)

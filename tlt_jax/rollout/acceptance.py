@@ -14,6 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from tlt_jax.rollout.sampling import categorical
+
 
 def residual_probs(p: jax.Array, q: jax.Array) -> jax.Array:
   """norm(max(0, p - q)); falls back to p where p <= q everywhere (then never used)."""
@@ -41,5 +43,4 @@ def rejection_chain(key: jax.Array, target_probs: jax.Array, draft_probs: jax.Ar
   p_next = target_probs[rows, num_accepted]
   padded_q = jnp.concatenate([draft_probs, jnp.zeros_like(draft_probs[:, :1])], axis=1)
   next_probs = residual_probs(p_next, padded_q[rows, num_accepted])   # q = 0 for the bonus
-  next_token = jax.random.categorical(sample_key, jnp.log(next_probs), axis=-1)
-  return num_accepted, next_token.astype(jnp.int32)
+  return num_accepted, categorical(sample_key, jnp.log(next_probs))

@@ -32,6 +32,22 @@ class SamplingParams:
     return self.temperature == 0
 
 
+def argmax(x: jax.Array) -> jax.Array:
+  """First index of the maximum over the last axis, as int32 (what `jnp.argmax` gives for
+  NaN-free input). XLA:CPU lowers `jnp.argmax` to a (value, index) pair reduction that
+  does not vectorize; a max and a min over a masked iota are 4-8x faster (measured on a
+  2-core CPU: [1, 49k] 0.22 -> 0.03 ms, [16, 5, 49k] 8.8 -> 2.3 ms)."""
+  top = jnp.max(x, axis=-1, keepdims=True)
+  index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+  return jnp.min(jnp.where(x == top, index, x.shape[-1]), axis=-1)
+
+
+def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
+  """One draw per row of logits [..., V] (Gumbel-max, like `jax.random.categorical`, with
+  the fast `argmax`)."""
+  return argmax(logits + jax.random.gumbel(key, logits.shape, jnp.float32))
+
+
 def policy_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
   """Log-probs reported for emitted tokens: the temperature-scaled policy, untruncated.
 
@@ -46,7 +62,7 @@ def processed_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
   """Log-probs of the distribution tokens are actually drawn from (-inf outside support)."""
   logits = logits.astype(jnp.float32)
   if params.greedy:
-    top = jnp.argmax(logits, axis=-1)
+    top = argmax(logits)
     return jnp.where(jax.nn.one_hot(top, logits.shape[-1], dtype=bool), 0.0, -jnp.inf)
   logits = logits / params.temperature
   if params.top_k:
@@ -67,5 +83,5 @@ def processed_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
 def sample(key: jax.Array, logits: jax.Array, params: SamplingParams) -> jax.Array:
   """Draws one token per row of logits [..., V] from the processed distribution."""
   if params.greedy:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  return jax.random.categorical(key, processed_logprobs(logits, params), axis=-1).astype(jnp.int32)
+    return argmax(logits)
+  return categorical(key, processed_logprobs(logits, params))

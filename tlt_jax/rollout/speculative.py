@@ -23,10 +23,11 @@ import jax.numpy as jnp
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import DrafterParams, draft_logits, drafter_forward
 from tlt_jax.models.kv_cache import KVCache
-from tlt_jax.models.transformer import Params, forward, lm_logits
+from tlt_jax.models.transformer import Params, forward_new_kv, lm_logits
 from tlt_jax.rollout.decode import DecodeState, emit
 from tlt_jax.rollout.acceptance import rejection_chain
-from tlt_jax.rollout.sampling import SamplingParams, policy_logprobs, processed_logprobs, sample
+from tlt_jax.rollout.sampling import (SamplingParams, categorical, policy_logprobs,
+                                      processed_logprobs, sample)
 from tlt_jax.rollout.strategy import SpecStrategy
 
 # Ranks a node just below an equal-scoring ancestor, so a top-n selection is ancestor-closed.
@@ -88,7 +89,7 @@ def _propose(key, logits, k, sampled, sampling):
     scores, ix = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)
     return scores, ix, None
   logq = processed_logprobs(logits, sampling)
-  ix = jax.random.categorical(key, logq, axis=-1)[..., None]
+  ix = categorical(key, logq)[..., None]
   return jnp.take_along_axis(logq, ix, axis=-1), ix, jnp.exp(logq)
 
 
@@ -216,8 +217,7 @@ def spec_step(params: Params, drafter: DrafterParams, head: jax.Array,
               max_new_tokens: int, attention_impl: str = "auto") -> SpecState:
   """Draft a tree, verify it in one target pass, commit the accepted path plus a bonus."""
   base = state.base
-  b, depth = base.last_tokens.shape[0], strategy.depth
-  rows = jnp.arange(b)
+  depth = strategy.depth
   live = ~base.done
   key, draft_key, accept_key = jax.random.split(base.key, 3)
   state, node_tokens, node_parents, node_scores, ancestors, draft_probs = _grow_tree(
@@ -227,8 +227,9 @@ def spec_step(params: Params, drafter: DrafterParams, head: jax.Array,
       strategy, node_tokens, node_parents, node_scores, ancestors, base.last_tokens)
 
   committed = base.cache.lengths
-  hidden, cache = forward(params, config, tokens, committed[:, None] + node_depth, base.cache,
-                          mask, attention_impl=attention_impl)
+  hidden, new_k, new_v = forward_new_kv(params, config, tokens,
+                                        committed[:, None] + node_depth, base.cache, mask,
+                                        attention_impl=attention_impl)
   logits = lm_logits(params, config, hidden)                           # [B, V, vocab]
   if draft_probs is None:
     num_accepted, path, emitted = _accept_target_only(accept_key, logits, tokens, parents,
@@ -238,17 +239,17 @@ def spec_step(params: Params, drafter: DrafterParams, head: jax.Array,
         accept_key, logits, tokens, draft_probs, vocab_ids, sampling)
   in_path = jnp.arange(depth + 1)[None, :] <= num_accepted[:, None]
 
-  # Move the path's K/V from verify order into consecutive cache slots.
-  dst = committed[:, None] + jnp.arange(depth + 1)[None, :]
-  src = committed[:, None] + jnp.where(in_path, path, jnp.arange(depth + 1)[None, :])
-  r = rows[:, None]
-  cache = cache.replace(k=cache.k.at[:, r, :, dst].set(cache.k[:, r, :, src]),
-                        v=cache.v.at[:, r, :, dst].set(cache.v[:, r, :, src]))
+  # Only the path's K/V enter the cache, in consecutive slots (past the accepted path they
+  # are never committed). Writing the verified tokens and then moving the path within the
+  # cache made XLA copy the whole cache every step.
+  take_path = lambda new: jnp.take_along_axis(new, path[None, :, :, None, None], axis=2)
+  slots = committed[:, None] + jnp.arange(depth + 1)[None, :]
+  cache = base.cache.write(slots, take_path(new_k), take_path(new_v))
 
   path_hidden = jnp.take_along_axis(hidden, path[:, :, None], axis=1)
-  emitted_logprobs = jnp.take_along_axis(
-      jnp.take_along_axis(policy_logprobs(logits, sampling), path[:, :, None], axis=1),
-      emitted[:, :, None], axis=2)[..., 0]
+  path_logits = jnp.take_along_axis(logits, path[:, :, None], axis=1)
+  emitted_logprobs = jnp.take_along_axis(policy_logprobs(path_logits, sampling),
+                                         emitted[:, :, None], axis=2)[..., 0]
 
   base = base.replace(key=key, cache=cache.advance(jnp.where(live, num_accepted + 1, 0)))
   generated_before = base.num_generated
