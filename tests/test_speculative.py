@@ -78,6 +78,25 @@ def test_per_row_caps_plain_and_sd():
     generate(params, config, prompts, max_new_tokens=[3, 3, 3, 3], sampling=GREEDY)
 
 
+def test_sd_counters_cover_rows_dropped_by_compaction():
+  """Accept stats sum over every row, also those compacted away before the end."""
+  config, params, drafter = _model(4, seed=3)
+  prompts = _prompts(4, (5, 9, 3, 12, 7, 4), seed=1)
+  caps = [40, 5, 12, 30, 3, 20]
+  spec = SpecConfig(drafter=drafter, strategy=SpecStrategy.parse("3_2_5"), threshold=8,
+                    patience=0)
+  kwargs = dict(sampling=GREEDY, spec=spec, chunk_steps=2)
+  batch = generate(params, config, prompts, max_new_tokens=caps, **kwargs)
+  assert batch.stats["rollout/batch_buckets"][-1] < batch.stats["batch_bucket"]
+  singles = [generate(params, config, [p], max_new_tokens=c, **kwargs).stats
+             for p, c in zip(prompts, caps)]
+  for name in ("spec/verify_steps", "spec/accept_len"):
+    expected = (sum(s["spec/verify_steps"] for s in singles) if name == "spec/verify_steps" else
+                sum(s["spec/accept_len"] * s["spec/verify_steps"] for s in singles)
+                / sum(s["spec/verify_steps"] for s in singles))
+    assert batch.stats[name] == pytest.approx(expected), name
+
+
 def test_reduced_draft_vocabulary_stays_exact():
   config, params, drafter = _model(97, seed=4)
   prompts = _prompts(97, (6, 11, 4), seed=2)

@@ -101,20 +101,31 @@ def pad_prompts(prompts: Sequence[Sequence[int]], batch_size: int,
 
 
 class _Harvest:
-  """Host-side outputs, filled as rows leave the device state (compaction or the end)."""
+  """Host-side outputs, filled as rows leave the device state (compaction or the end).
+
+  Per-row SD counters are harvested with the rows: compaction drops finished rows (and
+  pads with copies of one), so the final state alone would count only the tail."""
 
   def __init__(self, num_prompts: int):
     self.tokens: list = [None] * num_prompts
     self.logprobs: list = [None] * num_prompts
+    self.spec_steps = np.zeros((num_prompts,), np.int64)
+    self.spec_tokens = np.zeros((num_prompts,), np.int64)
 
-  def take(self, base: decode.DecodeState, row_ids: np.ndarray, which: np.ndarray) -> None:
+  def take(self, state, row_ids: np.ndarray, which: np.ndarray) -> None:
+    speculating = isinstance(state, speculative.SpecState)
+    base = state.base if speculating else state
     counts = np.asarray(base.num_generated)
     out_tokens, out_logprobs = np.asarray(base.out_tokens), np.asarray(base.out_logprobs)
+    if speculating:
+      spec_steps, spec_tokens = np.asarray(state.spec_steps), np.asarray(state.spec_tokens)
     for row in np.flatnonzero(which):
       prompt = row_ids[row]
       if prompt >= 0 and self.tokens[prompt] is None:
         self.tokens[prompt] = out_tokens[row, :counts[row]].tolist()
         self.logprobs[prompt] = out_logprobs[row, :counts[row]].tolist()
+        if speculating:
+          self.spec_steps[prompt], self.spec_tokens[prompt] = spec_steps[row], spec_tokens[row]
 
 
 def _row_caps(prompts, max_new_tokens, config) -> np.ndarray:
@@ -184,10 +195,10 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
     generated = int(np.asarray(base.num_generated).sum())
     trace.append((round(time.perf_counter() - start, 4), live_rows))
     if live_rows == 0:
-      harvest.take(base, row_ids, np.ones_like(done))
+      harvest.take(state, row_ids, np.ones_like(done))
       break
     if compact and buckets.batch_bucket(live_rows) < done.shape[0]:
-      harvest.take(base, row_ids, done)
+      harvest.take(state, row_ids, done)
       keep = np.flatnonzero(~done)
       filler = np.flatnonzero(done)[0]            # a finished row: stays finished
       rows = np.concatenate([keep, np.full(buckets.batch_bucket(live_rows) - len(keep), filler)])
@@ -239,9 +250,8 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
       "compile/new_programs": compiled_programs() - programs_before,
       "decode_chunks/plain": plain_steps, "decode_chunks/spec": spec_steps,
   }
-  if isinstance(state, speculative.SpecState):
-    verify_steps = int(np.asarray(state.spec_steps).sum())
-    spec_tokens = int(np.asarray(state.spec_tokens).sum())
+  if spec is not None:
+    verify_steps, spec_tokens = int(harvest.spec_steps.sum()), int(harvest.spec_tokens.sum())
     stats.update({"spec/strategy": spec.strategy.name, "spec/verify_steps": verify_steps,
                   "spec/accept_len": spec_tokens / verify_steps if verify_steps else 0.0,
                   "spec/enabled_frac": spec_tokens / generated if generated else 0.0,
