@@ -122,7 +122,10 @@ def main(argv):
           log(f"fixed batch={batch} T={temperature} strategy={strategy}")
           plain, sd = alternate(prompts[:batch], sampling, spec_for(strategy, batch, 0),
                                 _NEW_TOKENS.value, _REPEATS.value)
-          ratios = [p[0] / s[0] for p, s in zip(plain, sd)]
+          # Throughput ratio: under sampling the two sides draw different tokens (and EOS at
+          # different times), so their wall times cover different amounts of work.
+          ratios = [s[1].stats["tokens_per_s"] / p[1].stats["tokens_per_s"]
+                    for p, s in zip(plain, sd)]
           entry = {"batch": batch, "temperature": temperature, "strategy": strategy,
                    "plain": summary(plain), "sd": summary(sd),
                    "speedup_paired_median": statistics.median(ratios)}

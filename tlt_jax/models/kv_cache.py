@@ -45,6 +45,11 @@ class KVCache:
                                                           mode="drop")
     return self.replace(k=put(self.k, new_k), v=put(self.v, new_v))
 
+  def write_after_committed(self, new_k: jax.Array, new_v: jax.Array) -> "KVCache":
+    """Writes new K/V [L, B, T, K, D] at each row's `lengths + arange(T)`."""
+    slots = self.lengths[:, None] + jnp.arange(new_k.shape[2])[None, :]
+    return self.write(slots, new_k, new_v)
+
   def window(self, length: int) -> "KVCache":
     """The first `length` slots of every row: attention over a short context then costs
     what the context needs, not what the longest possible row needs."""

@@ -183,8 +183,7 @@ def run_layers(layers: Params, config: ModelConfig, x: jax.Array, positions: jax
   """`run_layers_new_kv`, then the new K/V written at `cache.lengths + arange(T)`."""
   x, new_k, new_v = run_layers_new_kv(layers, config, x, positions, cache, new_mask, rules,
                                       cache_mask, attention_impl)
-  slots = cache.lengths[:, None] + jnp.arange(x.shape[1])[None, :]
-  return x, cache.write(slots, new_k, new_v)
+  return x, cache.write_after_committed(new_k, new_v)
 
 
 def forward_new_kv(params: Params, config: ModelConfig, tokens: jax.Array,
@@ -212,5 +211,4 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
   """
   hidden, new_k, new_v = forward_new_kv(params, config, tokens, positions, cache, new_mask,
                                         rules, attention_impl)
-  slots = cache.lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]
-  return hidden, cache.write(slots, new_k, new_v)
+  return hidden, cache.write_after_committed(new_k, new_v)

@@ -239,12 +239,10 @@ def spec_step(params: Params, drafter: DrafterParams, head: jax.Array,
         accept_key, logits, tokens, draft_probs, vocab_ids, sampling)
   in_path = jnp.arange(depth + 1)[None, :] <= num_accepted[:, None]
 
-  # Only the path's K/V enter the cache, in consecutive slots (past the accepted path they
-  # are never committed). Writing the verified tokens and then moving the path within the
-  # cache made XLA copy the whole cache every step.
+  # Only the path's K/V enter the cache, in consecutive slots (the rest of the tree is
+  # never committed), so no verified token's K/V has to move within the cache.
   take_path = lambda new: jnp.take_along_axis(new, path[None, :, :, None, None], axis=2)
-  slots = committed[:, None] + jnp.arange(depth + 1)[None, :]
-  cache = base.cache.write(slots, take_path(new_k), take_path(new_v))
+  cache = base.cache.write_after_committed(take_path(new_k), take_path(new_v))
 
   path_hidden = jnp.take_along_axis(hidden, path[:, :, None], axis=1)
   path_logits = jnp.take_along_axis(logits, path[:, :, None], axis=1)
