@@ -154,34 +154,67 @@ def test_bad_sd_threshold():
     SpecConfig(drafter=drafter, strategy=SpecStrategy(2, 1, 3), threshold=0)
 
 
+def _draw_without_replacement(key, q, n, k):
+  """n independent draws of k distinct tokens from q, in draw order (Gumbel top-k)."""
+  gumbel = jax.random.gumbel(key, (n, q.shape[-1]))
+  return jax.lax.top_k(jnp.log(q) + gumbel, k)[1]
+
+
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
-@pytest.mark.parametrize("one_hot_q", [False, True])
-def test_rejection_rule_emits_p(temperature, top_p, one_hot_q):
-  """Draft x ~ q, apply the chain rule: the first emitted token must be distributed as p."""
+@pytest.mark.parametrize("q_kind", ["random", "one_hot", "equal_p"])
+@pytest.mark.parametrize("siblings", [1, 3])
+def test_recursive_rejection_emits_p(temperature, top_p, q_kind, siblings):
+  """Root with `siblings` children drawn from q without replacement, each with one child of
+  its own: the first emitted token must follow p, and the second (where the first was an
+  accepted draft) the child's p."""
   from scipy.stats import chisquare
 
-  from tlt_jax.rollout.acceptance import rejection_chain
+  from tlt_jax.rollout.acceptance import recursive_rejection
   from tlt_jax.rollout.sampling import processed_logprobs
-  vocab, n = 12, 200_000
+  vocab, n = 6, 120_000
   sampling = SamplingParams(temperature=temperature, top_p=top_p)
-  for pair in range(3):
-    k_p, k_q, k_draft, k_rule = jax.random.split(jax.random.key(100 + pair), 4)
-    p = jnp.exp(processed_logprobs(2.0 * jax.random.normal(k_p, (vocab,)), sampling))
-    if one_hot_q:
+  probs = lambda key: jnp.exp(processed_logprobs(2.0 * jax.random.normal(key, (vocab,)),
+                                                 sampling))
+  for pair in range(2):
+    k_p, k_child_p, k_q, k_child_q, k_draw, k_child_draw, k_rule = jax.random.split(
+        jax.random.key(100 + 10 * siblings + pair), 7)
+    p, p_child = probs(k_p), probs(k_child_p)
+    if q_kind == "one_hot":
       q = jax.nn.one_hot(pair, vocab)
     else:
-      q = jnp.exp(processed_logprobs(2.0 * jax.random.normal(k_q, (vocab,)), sampling))
-    draft = jax.random.categorical(k_draft, jnp.log(q), shape=(n,))
-    target = jnp.broadcast_to(p, (n, 2, vocab))     # root p, then a bonus p
-    num_accepted, next_token = rejection_chain(k_rule, target, jnp.broadcast_to(q, (n, 1, vocab)),
-                                               draft[:, None])
-    first = np.where(np.asarray(num_accepted) > 0, np.asarray(draft), np.asarray(next_token))
-    observed = np.bincount(first, minlength=vocab)
-    expected = np.asarray(p, np.float64) * n
-    support = expected > 0
-    assert observed[~support].sum() == 0           # never emits outside p's support
-    _, p_value = chisquare(observed[support], expected[support] / expected[support].sum() * n)
-    assert p_value >= 1e-3, (pair, p_value)
+      q = p if q_kind == "equal_p" else probs(k_q)
+    support = int(jnp.sum(q > 0))
+    k = min(siblings, support)
+    q_child = p_child if q_kind == "equal_p" else probs(k_child_q)
+    # Verify order: root, its k children, then one grandchild per child.
+    first = _draw_without_replacement(k_draw, q, n, k)                        # [n, k]
+    second = jax.random.categorical(k_child_draw, jnp.log(q_child), shape=(n, k))
+    tokens = jnp.concatenate([jnp.zeros((n, 1), jnp.int32), first, second], axis=1)
+    parents = jnp.array([0] + [0] * k + list(range(1, k + 1)))
+    target = jnp.stack([p] + [p_child] * k + [p] * k)                       # grandchildren: leaves
+    draft = jnp.stack([q] + [q_child] * k + [q] * k)
+    num_nodes = 1 + 2 * k
+    num_accepted, _, emitted = recursive_rejection(
+        k_rule, jnp.broadcast_to(target, (n, num_nodes, vocab)),
+        jnp.broadcast_to(draft, (n, num_nodes, vocab)), tokens,
+        jnp.broadcast_to(parents, (n, num_nodes)), depth=2, max_children=siblings)
+    emitted, num_accepted = np.asarray(emitted), np.asarray(num_accepted)
+    if q_kind == "equal_p":
+      assert np.all(num_accepted == 2)             # q = p accepts every draw
+    # The second token exists where the first was an accepted draft; it follows p_child.
+    for position, dist, rows in ((0, p, slice(None)), (1, p_child, num_accepted >= 1)):
+      observed = np.bincount(emitted[rows, position], minlength=vocab)
+      count = observed.sum()
+      if count < 1000:   # q and p barely overlap: too few accepted drafts to test (equal_p has n)
+        continue
+      expected = np.asarray(dist, np.float64) * count
+      inside = expected > 0
+      assert observed[~inside].sum() == 0         # never emits outside p's support
+      if inside.sum() == 1:
+        continue
+      _, p_value = chisquare(observed[inside],
+                             expected[inside] / expected[inside].sum() * count)
+      assert p_value >= 1e-3, (pair, position, p_value)
 
 
 def test_sampled_chain_matches_plain_sampling():

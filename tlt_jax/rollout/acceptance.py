@@ -1,13 +1,15 @@
-"""Lossless acceptance rules for speculative sampling.
+"""Lossless acceptance of sampled drafts: recursive rejection sampling over a tree.
 
-`rejection_chain` is the Leviathan et al. / Chen et al. rule along a chain of drafts
-sampled from q: accept draft i with probability min(1, p_i(x)/q_i(x)); at the first
-rejection emit a token from norm(max(0, p_i - q_i)); if every draft is accepted, emit a
-bonus token from the last p. Each emitted token is then distributed exactly as p.
-
-Trees use the target-only rule instead (see speculative.py): it needs no q, so drafts may
-be picked deterministically (top-k), at the price of accepting a node only with
-probability p(node) rather than min(1, p/q).
+Every node's children were drawn from the drafter's q at that node *without replacement*,
+in verify order. At the current node, with the processed target distribution p there, the
+children are tried in turn: child x (drawn from q_i, q with the siblings tried before it
+removed and renormalized) is accepted with probability min(1, p_i(x)/q_i(x)); on
+rejection p_{i+1} = norm(max(0, p_i - q_i)). An accepted child becomes the current node
+(with its own p and q); when every child is rejected, or the node has none, one token is
+drawn from the current p_i and the walk ends. By induction from the last sibling, each
+step emits exactly p_i, so every emitted token is distributed as plain decoding's p
+(Leviathan et al. / Chen et al. for one child; SpecInfer-style multi-draft for several).
+A chain is the tree with one child per node.
 """
 from __future__ import annotations
 
@@ -24,23 +26,57 @@ def residual_probs(p: jax.Array, q: jax.Array) -> jax.Array:
   return jnp.where(total > 0, residual / jnp.where(total > 0, total, 1.0), p)
 
 
-def rejection_chain(key: jax.Array, target_probs: jax.Array, draft_probs: jax.Array,
-                    draft_tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Accepts a prefix of a drafted chain.
+def recursive_rejection(key: jax.Array, target_probs: jax.Array, draft_probs: jax.Array,
+                        tokens: jax.Array, parents: jax.Array, depth: int, max_children: int
+                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Walks a verified tree from its root (verify index 0).
 
-  target_probs [B, d+1, V]: p at the root and after each draft; draft_probs [B, d, V]: the
-  q each draft was sampled from; draft_tokens [B, d]. Returns (number of accepted drafts
-  [B], the token emitted after them [B]).
+  target_probs [B, N, V]: p at each of the N verified nodes. draft_probs [B, N, V]: the q
+  each node's children were drawn from (any row for a leaf). tokens [B, N]; parents [B, N]:
+  verify index of each node's parent (entry 0, the root's, is ignored). Siblings appear in
+  the order they were drawn; a child's depth is its parent's plus one, at most `depth`;
+  no node has more than `max_children` children.
+
+  Returns (drafted tokens accepted [B], verify index of the walk's node at each depth
+  [B, depth + 1] (the last one repeated past the end), emitted tokens [B, depth + 1]:
+  the accepted drafts, then the token drawn at the node where the walk ended).
   """
-  b, d = draft_tokens.shape
-  accept_key, sample_key = jax.random.split(key)
-  p_draft = jnp.take_along_axis(target_probs[:, :d], draft_tokens[:, :, None], axis=-1)[..., 0]
-  q_draft = jnp.take_along_axis(draft_probs, draft_tokens[:, :, None], axis=-1)[..., 0]
-  u = jax.random.uniform(accept_key, (b, d))
-  accepted = u * q_draft < p_draft           # u < p/q without dividing by q = 0
-  num_accepted = jnp.sum(jnp.cumprod(accepted, axis=1), axis=1)
+  b, n = tokens.shape
   rows = jnp.arange(b)
-  p_next = target_probs[rows, num_accepted]
-  padded_q = jnp.concatenate([draft_probs, jnp.zeros_like(draft_probs[:, :1])], axis=1)
-  next_probs = residual_probs(p_next, padded_q[rows, num_accepted])   # q = 0 for the bonus
-  return num_accepted, categorical(sample_key, jnp.log(next_probs))
+  uniform_key, last_key = jax.random.split(key)
+  uniforms = jax.random.uniform(uniform_key, (depth, max_children, b))
+  not_root = jnp.arange(n)[None, :] > 0
+  node = jnp.zeros((b,), jnp.int32)
+  p, q = target_probs[:, 0], draft_probs[:, 0]
+  tried = jnp.zeros((b, n), bool)
+  walking = jnp.ones((b,), bool)
+  num_accepted = jnp.zeros((b,), jnp.int32)
+  path, emitted = [node], []
+  for level in range(depth):
+    moved = jnp.zeros((b,), bool)
+    for i in range(max_children):
+      untried = (parents == node[:, None]) & not_root & ~tried
+      child = jnp.argmax(untried, axis=1)
+      token = tokens[rows, child]
+      q_now = q / jnp.maximum(jnp.sum(q, axis=-1, keepdims=True), 1e-30)
+      q_token, p_token = q_now[rows, token], p[rows, token]
+      # A child whose token has no q mass left was drawn past q's support: never a draft.
+      trying = walking & ~moved & untried[rows, child] & (q_token > 0)
+      accept = trying & (uniforms[level, i] * q_token < p_token)
+      reject = trying & ~accept
+      p = jnp.where(reject[:, None], residual_probs(p, q_now), p)
+      q = jnp.where(reject[:, None], q.at[rows, token].set(0.0), q)
+      tried = tried.at[rows, child].set(tried[rows, child] | reject)
+      node = jnp.where(accept, child, node)
+      p = jnp.where(accept[:, None], target_probs[rows, child], p)
+      q = jnp.where(accept[:, None], draft_probs[rows, child], q)
+      moved = moved | accept
+    emitted.append(tokens[rows, node])
+    walking = walking & moved
+    num_accepted = num_accepted + moved
+    path.append(node)
+  last = categorical(last_key, jnp.log(p))
+  steps = jnp.arange(depth + 1)[None, :]
+  drafted = jnp.stack(emitted + [last], axis=1)
+  emitted = jnp.where(steps < num_accepted[:, None], drafted, last[:, None])
+  return num_accepted, jnp.stack(path, axis=1), emitted
