@@ -234,7 +234,9 @@ def test_cli_trains_and_resumes(tiny_hf_dirs, tmp_path):
   assert first.returncode == 0, first.stderr[-2000:]
   for name in ("corpus.json", "metrics.json", trainer.WEIGHTS, trainer.CONFIG):
     assert os.path.isfile(os.path.join(out, name)), name
-  resumed = _cli(*flags, "--steps=4", "--resume")
+  relative_out = f"--out={os.path.relpath(out, REPO_ROOT)}"   # orbax wants absolute paths
+  resumed = _cli(*[relative_out if f.startswith("--out=") else f for f in flags], "--steps=4",
+                 "--resume")
   assert resumed.returncode == 0, resumed.stderr[-2000:]
   assert "cached corpus" in resumed.stderr and "resumed at step 2" in resumed.stderr
   with open(os.path.join(out, "metrics.json")) as f:

@@ -78,7 +78,7 @@ def load_model_checkpoint(ckpt_dir: str, dtype=None, shardings: Any = None
 def read_tree_metadata(path: epath.Path) -> Any:
   """The stored tree's array metadata (shape, dtype), or a one-line error."""
   try:
-    return ocp.StandardCheckpointHandler().metadata(path).tree
+    return ocp.StandardCheckpointHandler().metadata(_absolute(path)).tree
   except (OSError, ValueError) as e:
     raise UserInputError(f"{path}: unreadable orbax checkpoint ({_first_line(e)})") from None
 
@@ -101,9 +101,14 @@ def restore_tree(path: epath.Path, target: Any) -> Any:
   """Restores a tree shaped and placed like `target` (ShapeDtypeStructs)."""
   try:
     with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
-      return checkpointer.restore(path, args=ocp.args.StandardRestore(target))
+      return checkpointer.restore(_absolute(path), args=ocp.args.StandardRestore(target))
   except (OSError, ValueError) as e:
     raise UserInputError(f"{path}: cannot restore ({_first_line(e)})") from None
+
+
+def _absolute(path: epath.Path | str) -> epath.Path:
+  """orbax rejects relative paths; command-line paths often are."""
+  return epath.Path(os.path.abspath(path))
 
 
 def _first_line(e: Exception) -> str:
