@@ -12,8 +12,9 @@ class SpecStrategy:
   """`verify_tokens` counts every token of the verify pass, the pending root included.
 
   topk=1 is a chain of `depth` drafts (verify_tokens = depth + 1). With topk > 1 the
-  drafter grows a tree: each level keeps the `topk` best nodes by cumulative draft
-  log-prob, and the best `verify_tokens - 1` nodes of the tree are verified.
+  drafter grows a tree: each node proposes `topk` children (its top-k when greedy, k draws
+  without replacement when sampling), each level keeps the `topk` best nodes by cumulative
+  draft log-prob, and the best `verify_tokens - 1` nodes of the tree are verified.
   """
   depth: int
   topk: int
