@@ -7,7 +7,8 @@ plain and SD alternated (A B A B ...) after a warm-up run of each, compile time 
 medians and paired ratios. Part 2: a long-tail rollout (64 rows of reasoning prompts whose
 response lengths are long-tailed by natural EOS and by per-row caps drawn from a Pareto
 law, as in RL rollouts where most responses end early and a few run to the limit): wall
-time plain vs adaptive SD (switched on for the tail), alternated the same way.
+time plain vs adaptive SD (switched on for the tail), alternated the same way. Part 3
+(--accept_prompts): accept length over a wider prompt set, no timing.
 """
 from __future__ import annotations
 
@@ -43,7 +44,13 @@ _TAIL_THRESHOLD = flags.DEFINE_integer("tail_threshold", 8, "SD on at <= this ma
 _TAIL_TEMPERATURE = flags.DEFINE_float(
     "tail_temperature", 0.0, "Long-tail sampling temperature. At 0 both sides emit identical "
     "tokens (SD is exact), so their wall times compare the same work.")
-_SKIP_FIXED = flags.DEFINE_bool("skip_fixed", False, "Only run the long-tail scenario.")
+_SKIP_FIXED = flags.DEFINE_bool("skip_fixed", False, "Skip the fixed batches.")
+_ACCEPT_PROMPTS = flags.DEFINE_integer(
+    "accept_prompts", 0, "Part 3 (0 skips it): accept length alone, over this many prompts "
+    "spread over six reasoning-gym tasks, SD on from the first step, at each temperature.",
+    lower_bound=0)
+_ACCEPT_STRATEGIES = flags.DEFINE_list("accept_strategies", ["8_4_16", "8_8_32"],
+                                       "Strategies of part 3.")
 _OUTPUT = flags.DEFINE_string("output", None, "Also write the JSON here.")
 _SEED = flags.DEFINE_integer("seed", 12345, "Prompt seed (held out from drafter training).")
 
@@ -113,7 +120,7 @@ def main(argv):
 
   report = {"model": "SmolLM2-135M-Instruct (fp32, CPU)", "drafter": _DRAFTER.value,
             "draft_vocab": None if vocab_ids is None else int(vocab_ids.shape[0]),
-            "fixed": [], "long_tail": None}
+            "fixed": [], "long_tail": None, "accept": []}
   if not _SKIP_FIXED.value:
     for temperature in (float(t) for t in _TEMPERATURES.value):
       sampling = SamplingParams(temperature=temperature)
@@ -155,6 +162,24 @@ def main(argv):
         "live_rows_plain": plain[-1][1].stats["rollout/live_rows"],
         "live_rows_sd": sd[-1][1].stats["rollout/live_rows"],
     }
+  if _ACCEPT_PROMPTS.value:
+    accept_tasks = tasks + ["leg_counting", "simple_equations", "letter_counting"]
+    accept_prompts = [tokenizer.chat_prompt(q) for _, q in
+                      build_questions(accept_tasks, _ACCEPT_PROMPTS.value, _SEED.value + 1)]
+    for temperature in (float(t) for t in _TEMPERATURES.value):
+      for strategy in _ACCEPT_STRATEGIES.value:
+        log(f"accept T={temperature} strategy={strategy}")
+        result = generate(model.params, model.config, accept_prompts,
+                          max_new_tokens=_NEW_TOKENS.value,
+                          sampling=SamplingParams(temperature=temperature), eos_ids=eos,
+                          seed=1, spec=spec_for(strategy, len(accept_prompts), 0))
+        entry = {"temperature": temperature, "strategy": strategy,
+                 "prompts": len(accept_prompts), "tasks": accept_tasks,
+                 "accept_len": result.stats["spec/accept_len"],
+                 "verify_steps": result.stats["spec/verify_steps"],
+                 "generated_tokens": result.stats["generated_tokens"]}
+        log(json.dumps(entry))
+        report["accept"].append(entry)
   emit(report, _OUTPUT.value)
 
 
