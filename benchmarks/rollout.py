@@ -68,6 +68,16 @@ def _drawn_caps(rows: int):
   return np.minimum(drawn.astype(np.int64), _TAIL_CAP.value)
 
 
+def _tail_share(stats: dict, threshold: int) -> float:
+  """Fraction of a rollout's wall time at <= threshold live rows, from its live-rows trace.
+
+  SD can only shorten this part, so with a tail speedup s the whole rollout gains at most
+  1 / (1 - f + f / s) (Amdahl)."""
+  total = stats["total_s"]
+  tail_from = next((t for t, live in stats["rollout/live_rows"] if live <= threshold), total)
+  return (total - tail_from) / total
+
+
 def main(argv):
   del argv
   import jax.numpy as jnp
@@ -159,6 +169,8 @@ def main(argv):
         "plain": summary(plain), "adaptive_sd": summary(sd),
         "sd_enabled_frac": sd[-1][1].stats.get("spec/enabled_frac"),
         "speedup_paired_median": statistics.median(p[0] / s[0] for p, s in zip(plain, sd)),
+        "plain_wall_frac_at_threshold": statistics.median(
+            _tail_share(p[1].stats, _TAIL_THRESHOLD.value) for p in plain),
         "live_rows_plain": plain[-1][1].stats["rollout/live_rows"],
         "live_rows_sd": sd[-1][1].stats["rollout/live_rows"],
     }
