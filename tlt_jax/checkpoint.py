@@ -48,8 +48,7 @@ def save_model_checkpoint(out_dir: str, params: dict[str, Any], config: ModelCon
       shutil.copy2(path, tmp)
     with open(os.path.join(tmp, CONFIG), "w") as f:
       json.dump(config.to_hf_dict(), f, indent=2)
-    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
-      checkpointer.save(epath.Path(tmp) / PARAMS, args=ocp.args.StandardSave(params))
+    save_tree(os.path.join(tmp, PARAMS), params)
 
 
 def load_model_checkpoint(ckpt_dir: str, dtype=None, shardings: Any = None
@@ -95,6 +94,12 @@ def check_tree_shapes(stored: Any, expected: Any, path: epath.Path, what: str,
     if got.get(key) != want.get(key):
       raise UserInputError(f"{path}: {what}: {key} is stored as {got.get(key, 'absent')}, "
                            f"{implied_by} {want.get(key, 'absent')}")
+
+
+def save_tree(path: epath.Path | str, tree: Any) -> None:
+  """Writes a pytree of arrays as an orbax checkpoint at `path` (which must not exist)."""
+  with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
+    checkpointer.save(_absolute(path), args=ocp.args.StandardSave(tree))
 
 
 def restore_tree(path: epath.Path, target: Any) -> Any:

@@ -26,12 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import safetensors
 import safetensors.numpy
 from etils import epath
 
-from tlt_jax.checkpoint import check_tree_shapes, read_tree_metadata, restore_tree
+from tlt_jax.checkpoint import (check_tree_shapes, read_tree_metadata, restore_tree,
+                                save_tree)
 from tlt_jax.drafter.losses import CE_WEIGHT, eagle_loss
 from tlt_jax.drafter.packing import PackedRows
 from tlt_jax.errors import UserInputError
@@ -244,8 +244,7 @@ def save_drafter(out_dir: str, state_or_params: TrainState | DrafterParams,
     tree.update(opt_state=state.opt_state, step=state.step)
   os.makedirs(out_dir, exist_ok=True)
   with atomic_output_dir(os.path.join(out_dir, CHECKPOINT), overwrite=True) as tmp:
-    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
-      checkpointer.save(epath.Path(tmp) / STATE, args=ocp.args.StandardSave(tree))
+    save_tree(os.path.join(tmp, STATE), tree)
 
   tensors = {}
   for path, (name, transposed) in _EXPORT_NAMES.items():
