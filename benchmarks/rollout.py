@@ -39,7 +39,9 @@ _TAIL_CAP_ALPHA = flags.DEFINE_float(
     "tail_cap_alpha", 1.5, "Pareto shape of the drawn per-row caps (clipped at --tail_cap); "
     "0 gives every row --tail_cap.", lower_bound=0.0)
 _TAIL_REPEATS = flags.DEFINE_integer("tail_repeats", 2, "Alternated repeats, long tail.")
-_TAIL_STRATEGY = flags.DEFINE_string("tail_strategy", "4_1_5", "SD strategy for the tail.")
+_TAIL_STRATEGY = flags.DEFINE_string(
+    "tail_strategy", "4_1_5", "SD strategy for the tail, or a comma-separated pool for the "
+    "bandit (BEG-MAB), which keeps learning across the warm-up and the repeats.")
 _TAIL_THRESHOLD = flags.DEFINE_integer("tail_threshold", 8, "SD on at <= this many live rows.")
 _TAIL_TEMPERATURE = flags.DEFINE_float(
     "tail_temperature", 0.0, "Long-tail sampling temperature. At 0 both sides emit identical "
@@ -87,7 +89,7 @@ def main(argv):
   from tlt_jax.models.loading import load_model
   from tlt_jax.rollout.engine import SpecConfig, generate
   from tlt_jax.rollout.sampling import SamplingParams
-  from tlt_jax.rollout.strategy import SpecStrategy
+  from tlt_jax.rollout.bandit import BanditConfig, StrategyBandit, parse_strategies
 
   model = load_model("smollm2", dtype=jnp.float32)
   tokenizer = model.tokenizer
@@ -99,8 +101,11 @@ def main(argv):
   prompts = [tokenizer.chat_prompt(q) for q in questions]
 
   def spec_for(strategy, threshold, patience):
-    return SpecConfig(drafter=drafter, strategy=SpecStrategy.parse(strategy),
-                      vocab_ids=vocab_ids, threshold=threshold, patience=patience)
+    strategies = parse_strategies(strategy)
+    choice = (dict(strategy=strategies[0]) if len(strategies) == 1
+              else dict(bandit=StrategyBandit(BanditConfig(strategies, seed=_SEED.value))))
+    return SpecConfig(drafter=drafter, vocab_ids=vocab_ids, threshold=threshold,
+                      patience=patience, **choice)
 
   def timed(batch_prompts, sampling, spec, max_new, seed):
     start = time.perf_counter()
@@ -153,9 +158,9 @@ def main(argv):
     caps = _drawn_caps(_TAIL_ROWS.value)
     log(f"long tail: {_TAIL_ROWS.value} rows, caps p50 {int(np.median(caps))} max {max(caps)}")
     sampling = SamplingParams(temperature=_TAIL_TEMPERATURE.value)
-    plain, sd = alternate(prompts[:_TAIL_ROWS.value], sampling,
-                          spec_for(_TAIL_STRATEGY.value, _TAIL_THRESHOLD.value, 10),
-                          caps, _TAIL_REPEATS.value)
+    tail_spec = spec_for(_TAIL_STRATEGY.value, _TAIL_THRESHOLD.value, 10)
+    plain, sd = alternate(prompts[:_TAIL_ROWS.value], sampling, tail_spec, caps,
+                          _TAIL_REPEATS.value)
     lengths = sorted(len(o.token_ids) for o in plain[-1][1].outputs)
     report["long_tail"] = {
         "rows": _TAIL_ROWS.value, "cap": _TAIL_CAP.value, "strategy": _TAIL_STRATEGY.value,
@@ -171,6 +176,9 @@ def main(argv):
         "speedup_paired_median": statistics.median(p[0] / s[0] for p, s in zip(plain, sd)),
         "plain_wall_frac_at_threshold": statistics.median(
             _tail_share(p[1].stats, _TAIL_THRESHOLD.value) for p in plain),
+        "sd_strategy_chunks": sd[-1][1].stats["spec/strategy_chunks"],
+        "sd_new_programs_timed": sum(s[1].stats["compile/new_programs"] for s in sd),
+        "bandit": None if tail_spec.bandit is None else tail_spec.bandit.summary(),
         "live_rows_plain": plain[-1][1].stats["rollout/live_rows"],
         "live_rows_sd": sd[-1][1].stats["rollout/live_rows"],
     }

@@ -32,7 +32,12 @@ _CHAT = flags.DEFINE_bool("chat", False, "Wrap string prompts in the model's cha
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
 _DRAFTER = flags.DEFINE_string("drafter", None, "Drafter dir (from experiments.train_drafter): "
                                "enables speculative decoding for the tail.")
-_STRATEGY = flags.DEFINE_string("strategy", "4_1_5", "SD strategy DEPTH_TOPK_VERIFYTOKENS.")
+_STRATEGY = flags.DEFINE_string(
+    "strategy", "4_1_5", "SD strategy DEPTH_TOPK_VERIFYTOKENS, or a comma-separated pool of "
+    "them: a bandit (BEG-MAB) then picks one per chunk by live batch size.")
+_BANDIT_EPSILON = flags.DEFINE_float("bandit_epsilon", 0.1, "Bandit exploration rate.")
+_BANDIT_WINDOW = flags.DEFINE_integer("bandit_window", 300, "Rewards the bandit keeps per "
+                                      "batch bucket and strategy.")
 _SD_THRESHOLD = flags.DEFINE_integer("sd_threshold", 32, "SD turns on once at most this many "
                                      "rows are live ...")
 _ATTENTION = flags.DEFINE_enum("attention_impl", "auto", ["auto", "reference", "pallas", "triton"],
@@ -78,19 +83,36 @@ def load_spec(config, dtype):
   import jax.numpy as jnp
 
   from tlt_jax.drafter.trainer import load_drafter
+  from tlt_jax.rollout.bandit import StrategyBandit
   from tlt_jax.rollout.engine import SpecConfig
   from tlt_jax.rollout.strategy import SpecStrategy
 
-  sd_flags = [f for f in ("strategy", "sd_threshold", "sd_patience") if flags.FLAGS[f].present]
+  sd_flags = [f for f in ("strategy", "sd_threshold", "sd_patience", "bandit_epsilon",
+                          "bandit_window") if flags.FLAGS[f].present]
   if _DRAFTER.value is None:
     if sd_flags:
       raise UserInputError(f"--{sd_flags[0]} needs --drafter (speculative decoding is off)")
     return None
-  strategy = SpecStrategy.parse(_STRATEGY.value)
+  strategies = strategy_flags()
   drafter, vocab_ids = load_drafter(_DRAFTER.value, config, dtype)
-  return SpecConfig(drafter=drafter, strategy=strategy,
-                    vocab_ids=None if vocab_ids is None else jnp.asarray(vocab_ids),
-                    threshold=_SD_THRESHOLD.value, patience=_SD_PATIENCE.value)
+  choice = (dict(strategy=strategies) if isinstance(strategies, SpecStrategy)
+            else dict(bandit=StrategyBandit(strategies)))
+  return SpecConfig(drafter=drafter, vocab_ids=None if vocab_ids is None else jnp.asarray(vocab_ids),
+                    threshold=_SD_THRESHOLD.value, patience=_SD_PATIENCE.value, **choice)
+
+
+def strategy_flags():
+  """--strategy and --bandit_*: one SpecStrategy, or a BanditConfig over a pool."""
+  from tlt_jax.rollout.bandit import BanditConfig, parse_strategies
+
+  strategies = parse_strategies(_STRATEGY.value)
+  bandit_flags = [f for f in ("bandit_epsilon", "bandit_window") if flags.FLAGS[f].present]
+  if len(strategies) == 1:
+    if bandit_flags:
+      raise UserInputError(f"--{bandit_flags[0]} needs a pool of strategies in --strategy")
+    return strategies[0]
+  return BanditConfig(strategies, epsilon=_BANDIT_EPSILON.value, window=_BANDIT_WINDOW.value,
+                      seed=_SEED.value)
 
 
 def main(argv):
@@ -100,12 +122,11 @@ def main(argv):
   from tlt_jax.models.loading import load_model
   from tlt_jax.rollout.engine import SpecConfig, generate
   from tlt_jax.rollout.sampling import SamplingParams
-  from tlt_jax.rollout.strategy import SpecStrategy
 
   sampling = SamplingParams(temperature=_TEMPERATURE.value, top_p=_TOP_P.value,
                             top_k=_TOP_K.value)
   # Cheap checks before the model loads: a bad flag should not cost a minute.
-  SpecStrategy.parse(_STRATEGY.value)
+  strategy_flags()
   SpecConfig.validate_schedule(_SD_THRESHOLD.value, _SD_PATIENCE.value)
   prompts = read_prompts(_PROMPTS.value)
   start = time.perf_counter()

@@ -49,11 +49,22 @@ def test_sd_cli_matches_plain_and_reports_stats(tiny_hf_dirs, drafter_dirs, tmp_
   assert stats["spec/strategy"] == "3_2_5" and stats["spec/verify_steps"] > 0
   assert stats["spec/accept_len"] >= 1.0 and 0 < stats["spec/enabled_frac"] <= 1
   assert stats["compile/programs"] > 0
+  # A pool: the bandit picks per chunk (epsilon 1: at random), and the output is the same.
+  pool, pool_out = _run(common + [f"--drafter={drafter_dirs['good']}", "--strategy=2_1_3,3_2_5",
+                                  "--bandit_epsilon=1", "--sd_threshold=4", "--sd_patience=0"],
+                        tmp_path / "pool.json")
+  assert pool.returncode == 0, pool.stderr
+  c = json.loads(pool_out.read_text())
+  assert [o["token_ids"] for o in a["outputs"]] == [o["token_ids"] for o in c["outputs"]]
+  assert c["stats"]["spec/strategy"] == "2_1_3,3_2_5" and c["stats"]["spec/bandit"]
 
 
 @pytest.mark.parametrize("flag_args,needle", [
     (["--strategy=8_4"], "--strategy"),
     (["--strategy=2_2_9"], "--strategy"),
+    (["--strategy=4_1_5,4_1_5"], "listed twice"),
+    (["--strategy=4_1_5,2_1_3", "--bandit_epsilon=2"], "--bandit_epsilon"),
+    (["--bandit_window=5"], "--bandit_window needs a pool"),
     (["--sd_threshold=0"], "--sd_threshold"),
     (["--sd_threshold=100000"], "--sd_threshold"),
     (["--drafter=OTHER"], "fc.weight"),

@@ -11,7 +11,8 @@ from tlt_jax.errors import UserInputError
 from tlt_jax.models import drafter as drafter_lib
 from tlt_jax.models import transformer
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.rollout.engine import SpecConfig, generate
+from tlt_jax.rollout.bandit import BanditConfig, StrategyBandit, parse_strategies
+from tlt_jax.rollout.engine import SpecConfig, compiled_programs, generate
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.strategy import SpecStrategy
 
@@ -251,3 +252,43 @@ def test_unknown_attention_impl_is_rejected():
   config, params, _ = _model(8)
   with pytest.raises(UserInputError, match="--attention_impl"):
     generate(params, config, [[1, 2]], max_new_tokens=2, attention_impl="cuda")
+
+
+BANDIT_POOL = parse_strategies("2_1_3,4_1_5,3_2_5")
+
+
+def test_spec_config_takes_one_strategy_source():
+  _, _, drafter = _model(8)
+  with pytest.raises(UserInputError, match="exactly one"):
+    SpecConfig(drafter=drafter)
+  with pytest.raises(UserInputError, match="exactly one"):
+    SpecConfig(drafter=drafter, strategy=BANDIT_POOL[0], bandit=StrategyBandit(BanditConfig(BANDIT_POOL)))
+
+
+def test_engine_switches_strategies_losslessly_within_its_programs():
+  """epsilon=1: a random strategy per chunk, chains and trees of different depths, while
+  rows finish and the batch is compacted. Greedy output stays token-identical to plain
+  decoding, and a second rollout over the same shapes compiles nothing new."""
+  config, params, drafter = _model(97)
+  prompts = _prompts(97, (5, 9, 3, 12, 7, 4))
+  eos = (96,)
+  plain = generate(params, config, prompts, max_new_tokens=40, sampling=GREEDY, eos_ids=eos)
+  bandit = StrategyBandit(BanditConfig(BANDIT_POOL, epsilon=1.0, seed=1))
+  spec = SpecConfig(drafter=drafter, bandit=bandit, threshold=8, patience=0)
+  run = lambda: generate(params, config, prompts, max_new_tokens=40, sampling=GREEDY,
+                         eos_ids=eos, spec=spec, chunk_steps=2)
+  sd = run()
+  for a, b in zip(plain.outputs, sd.outputs):
+    assert a.token_ids == b.token_ids
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+  assert len(sd.stats["spec/strategy_chunks"]) == 3          # every strategy got chunks
+  assert sd.stats["spec/strategy"] == "2_1_3,4_1_5,3_2_5"
+  again = run()
+  assert again.stats["compile/new_programs"] == 0
+  assert [o.token_ids for o in again.outputs] == [o.token_ids for o in sd.outputs]
+  # Chunks that ran compiled programs were measured: the bandit holds rewards.
+  pulls = sum(arm["pulls"] for arms in bandit.summary().values() for arm in arms.values())
+  assert pulls > 0 and all(arm["median_tokens_per_s"] > 0
+                           for arms in again.stats["spec/bandit"].values()
+                           for arm in arms.values())
+  assert compiled_programs() >= 3

@@ -9,6 +9,7 @@ program is keyed by (batch bucket, cache length, strategy): the set is finite, a
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from typing import Sequence
@@ -24,6 +25,7 @@ from tlt_jax.models.kv_cache import KVCache, init_cache
 from tlt_jax.models.transformer import Params
 from tlt_jax.pallas.tree_attention import IMPLS
 from tlt_jax.rollout import decode, speculative
+from tlt_jax.rollout.bandit import StrategyBandit
 from tlt_jax.rollout.buckets import BucketSpec
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.strategy import SpecStrategy
@@ -35,15 +37,26 @@ MAX_SD_THRESHOLD = 256   # the largest batch bucket: SD above it never pays
 
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
-  """Speculative decoding for the tail: on below `threshold` live rows for `patience` steps."""
+  """Speculative decoding for the tail: on below `threshold` live rows for `patience` steps.
+
+  Either one fixed `strategy`, or a `bandit` that picks among its strategies per chunk by
+  live batch size (and learns across the rollouts that share it)."""
   drafter: DrafterParams
-  strategy: SpecStrategy
+  strategy: SpecStrategy | None = None
   vocab_ids: jax.Array | None = None   # reduced draft vocabulary (sorted target ids)
   threshold: int = 32
   patience: int = 10
+  bandit: StrategyBandit | None = None
 
   def __post_init__(self):
+    if (self.strategy is None) == (self.bandit is None):
+      raise UserInputError("SpecConfig: give exactly one of strategy and bandit")
     self.validate_schedule(self.threshold, self.patience)
+
+  @property
+  def strategies(self) -> tuple[SpecStrategy, ...]:
+    """Every strategy a rollout may run: its programs and cache margin cover them all."""
+    return self.bandit.strategies if self.bandit is not None else (self.strategy,)
 
   @staticmethod
   def validate_schedule(threshold: int, patience: int) -> None:
@@ -128,6 +141,10 @@ class _Harvest:
           self.spec_steps[prompt], self.spec_tokens[prompt] = spec_steps[row], spec_tokens[row]
 
 
+def _base(state) -> decode.DecodeState:
+  return state.base if isinstance(state, speculative.SpecState) else state
+
+
 def _row_caps(prompts, max_new_tokens, config) -> np.ndarray:
   """Each row's token budget, validated against the model's context."""
   if not prompts or any(len(p) == 0 for p in prompts):
@@ -165,7 +182,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
   max_new_tokens = int(caps.max())
   batch = buckets.batch_bucket(len(prompts))
   prompt_len = buckets.prompt_length(max(len(p) for p in prompts))
-  margin = speculative.cache_margin(spec.strategy) if spec else 0
+  margin = speculative.cache_margin(spec.strategies) if spec else 0
   longest_row = max(len(p) + int(cap) for p, cap in zip(prompts, caps))
   cache_len = buckets.cache_length(max(prompt_len, longest_row + margin))
   tokens, lengths, live = pad_prompts(prompts, batch, prompt_len)
@@ -184,16 +201,26 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
                          keep_hidden=spec is not None, rules=rules, **static)
   row_ids = np.where(live, np.arange(batch), -1)
   harvest = _Harvest(len(prompts))
-  trace, spec_on_at, steps_below, last_generated = [], None, 0, 0
+  trace, spec_on_at, steps_below, chunk_start_generated = [], None, 0, 0
   plain_steps = spec_steps = 0
   batch_buckets_used = [batch]
+  strategy_chunks = collections.Counter()
+  played = None   # (live rows, strategy, start time, programs) of the SD chunk in flight
   while True:
-    base = state.base if isinstance(state, speculative.SpecState) else state
+    base = _base(state)
     done = np.asarray(base.done)
     live_rows = int((~done).sum())
     longest_live = int(np.asarray(base.cache.lengths)[~done].max(initial=0))
     generated = int(np.asarray(base.num_generated).sum())
-    trace.append((round(time.perf_counter() - start, 4), live_rows))
+    emitted = generated - chunk_start_generated     # by the last chunk
+    now = time.perf_counter()
+    trace.append((round(now - start, 4), live_rows))
+    if played is not None:
+      played_rows, strategy, began, programs = played
+      # A chunk that compiled a program measured the compiler, not the strategy.
+      if compiled_programs() == programs and now > began:
+        spec.bandit.record(played_rows, strategy, emitted / (now - began))
+      played = None
     if live_rows == 0:
       harvest.take(state, row_ids, np.ones_like(done))
       break
@@ -205,9 +232,10 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
       state = take_rows(state, jnp.asarray(rows, jnp.int32))
       row_ids = np.where(np.arange(len(rows)) < len(keep), row_ids[rows], -1)
       batch_buckets_used.append(len(rows))
+      generated = int(np.asarray(_base(state).num_generated).sum())
     if spec is not None and spec_on_at is None:
       if live_rows <= spec.threshold:
-        steps_below += (generated - last_generated) // live_rows
+        steps_below += emitted // live_rows
       else:
         steps_below = 0
       if live_rows <= spec.threshold and steps_below >= spec.patience:
@@ -216,18 +244,24 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
         state = speculative.start_speculation(
             params, spec.drafter, state,
             init_drafter_cache(config, state.done.shape[0], cache_len, dtype),
-            config=config, strategy=spec.strategy, attention_impl=attention_impl)
-    last_generated = generated
+            config=config, pend_width=speculative.pending_width(spec.strategies),
+            attention_impl=attention_impl)
+    chunk_start_generated = generated
     speculating = isinstance(state, speculative.SpecState)
     # Attend over only the cache prefix this chunk can reach (slots it may write included).
     reach = longest_live + (
-        chunk_steps * (spec.strategy.depth + 1) + margin if speculating else chunk_steps)
+        chunk_steps * speculative.pending_width(spec.strategies) + margin if speculating
+        else chunk_steps)
     window = buckets.attention_window(reach, cache_len)
     window = None if window == cache_len else window
     if speculating:
+      strategy = spec.strategy if spec.bandit is None else spec.bandit.choose(live_rows)
+      if spec.bandit is not None:
+        played = (live_rows, strategy, time.perf_counter(), compiled_programs())
       state = speculative.spec_chunk(params, spec.drafter, head, spec.vocab_ids, state,
-                                     strategy=spec.strategy, chunk_steps=chunk_steps,
+                                     strategy=strategy, chunk_steps=chunk_steps,
                                      window=window, **static)
+      strategy_chunks[strategy.name] += 1
       spec_steps += 1
     else:
       state = decode.decode_chunk(params, state, chunk_steps=chunk_steps, window=window,
@@ -252,8 +286,12 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
   }
   if spec is not None:
     verify_steps, spec_tokens = int(harvest.spec_steps.sum()), int(harvest.spec_tokens.sum())
-    stats.update({"spec/strategy": spec.strategy.name, "spec/verify_steps": verify_steps,
+    stats.update({"spec/strategy": ",".join(s.name for s in spec.strategies),
+                  "spec/strategy_chunks": dict(strategy_chunks),
+                  "spec/verify_steps": verify_steps,
                   "spec/accept_len": spec_tokens / verify_steps if verify_steps else 0.0,
                   "spec/enabled_frac": spec_tokens / generated if generated else 0.0,
                   "spec/on_at_s": spec_on_at})
+    if spec.bandit is not None:
+      stats["spec/bandit"] = spec.bandit.summary()
   return GenerationResult(outputs, stats)

@@ -21,6 +21,7 @@ hidden states), so the drafter always conditions on real target features.
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import flax.struct
 import jax
@@ -44,25 +45,33 @@ _DEPTH_TIEBREAK = 1e-3
 class SpecState:
   base: DecodeState
   draft_cache: KVCache
-  pend_tokens: jax.Array     # [B, depth + 1]
-  pend_hidden: jax.Array     # [B, depth + 1, E]
+  pend_tokens: jax.Array     # [B, pend_width]: max depth over the rollout's strategies + 1
+  pend_hidden: jax.Array     # [B, pend_width, E]
   pend_count: jax.Array      # [B]
   spec_steps: jax.Array      # [B] verify steps taken while live
   spec_tokens: jax.Array     # [B] tokens emitted by those steps
 
 
-def cache_margin(strategy: SpecStrategy) -> int:
-  """Slots past the committed length that one step may write (target and drafter)."""
-  return max(strategy.verify_tokens, strategy.num_nodes + strategy.depth + 1)
+def pending_width(strategies: Sequence[SpecStrategy]) -> int:
+  """Width of the pending (accepted, not yet drafted-on) pairs: the most any of the
+  strategies a rollout may switch between can accept in one step, plus the bonus."""
+  return max(s.depth for s in strategies) + 1
 
 
-@functools.partial(jax.jit, static_argnames=("config", "strategy", "attention_impl"),
+def cache_margin(strategies: Sequence[SpecStrategy]) -> int:
+  """Slots past the committed length that one step may write (target and drafter), for
+  any of `strategies`: the drafter catches up on the pending pairs, then grows its tree."""
+  width = pending_width(strategies)
+  return max(max(s.verify_tokens, s.num_nodes + width) for s in strategies)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "pend_width", "attention_impl"),
                    donate_argnames=("base", "draft_cache"))
 def start_speculation(params: Params, drafter: DrafterParams, base: DecodeState,
                       draft_cache: KVCache, *, config: ModelConfig,
-                      strategy: SpecStrategy, attention_impl: str = "auto") -> SpecState:
+                      pend_width: int, attention_impl: str = "auto") -> SpecState:
   """Drafter prefill over each row's existing context (slots 0..L-2), leaving the pair
-  (h_{L-1}, x_L) pending."""
+  (h_{L-1}, x_L) pending. pend_width: `pending_width` of the strategies the rollout uses."""
   lengths = base.cache.lengths
   b, s = base.history.shape
   tokens = jnp.concatenate([base.history[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
@@ -71,8 +80,8 @@ def start_speculation(params: Params, drafter: DrafterParams, base: DecodeState,
                                    draft_cache.replace(lengths=jnp.zeros_like(lengths)),
                                    attention_impl=attention_impl)
   rows = jnp.arange(b)
-  pend_tokens = jnp.zeros((b, strategy.depth + 1), jnp.int32).at[:, 0].set(base.last_tokens)
-  pend_hidden = jnp.zeros((b, strategy.depth + 1, config.hidden_size), base.hidden_buf.dtype)
+  pend_tokens = jnp.zeros((b, pend_width), jnp.int32).at[:, 0].set(base.last_tokens)
+  pend_hidden = jnp.zeros((b, pend_width, config.hidden_size), base.hidden_buf.dtype)
   pend_hidden = pend_hidden.at[:, 0].set(base.hidden_buf[rows, lengths - 1])
   zeros = jnp.zeros((b,), jnp.int32)
   # The kept tokens and hidden states have served their one purpose (this drafter prefill).
@@ -114,7 +123,7 @@ def _grow_tree(key, params, drafter, head, vocab_ids, config, strategy, sampling
 
   # Catch up on the accepted pairs; the last one predicts the first level.
   cache = state.draft_cache
-  positions = cache.lengths[:, None] + jnp.arange(depth + 1)[None, :]
+  positions = cache.lengths[:, None] + jnp.arange(state.pend_tokens.shape[1])[None, :]
   hidden, cache = drafter_forward(drafter, params, config, state.pend_tokens, state.pend_hidden,
                                   positions, cache, attention_impl=attention_impl)
   cache = cache.advance(state.pend_count)
@@ -263,8 +272,11 @@ def spec_step(params: Params, drafter: DrafterParams, head: jax.Array,
   for j in range(depth + 1):
     base = emit(base, emitted[:, j], emitted_logprobs[:, j], ~base.done & in_path[:, j] & live,
                 eos_ids, max_new_tokens)
+  # Pending pairs are padded to the rollout's pend width (shared by all its strategies).
+  pad = state.pend_tokens.shape[1] - (depth + 1)
   return state.replace(
-      base=base, pend_tokens=emitted, pend_hidden=path_hidden,
+      base=base, pend_tokens=jnp.pad(emitted, ((0, 0), (0, pad))),
+      pend_hidden=jnp.pad(path_hidden, ((0, 0), (0, pad), (0, 0))),
       pend_count=num_accepted + 1,
       spec_steps=state.spec_steps + live,
       spec_tokens=state.spec_tokens + (base.num_generated - generated_before))
