@@ -2,10 +2,11 @@
 
 The host loop runs jitted chunks of decode steps and, between chunks, (1) compacts the
 live rows into the next smaller batch bucket once they fit, so the long tail runs at its
-true size rather than padded to the starting batch, and (2) switches speculative decoding
-on once at most `sd_threshold` rows have stayed live for `sd_patience` steps. Every
-program is keyed by (batch bucket, cache length, strategy): the set is finite, and
-`compiled_programs()` reports how many exist.
+true size rather than padded to the starting batch, (2) switches speculative decoding on
+once at most `sd_threshold` rows have stayed live for `sd_patience` steps, and (3) with a
+pool of strategies, lets the BEG-MAB bandit pick each SD chunk's strategy and scores it by
+the chunk's tokens per second. Every program is keyed by (batch bucket, cache length,
+strategy): the set is finite, and `compiled_programs()` reports how many exist.
 """
 from __future__ import annotations
 
