@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -38,6 +39,9 @@ _STRATEGY = flags.DEFINE_string(
 _BANDIT_EPSILON = flags.DEFINE_float("bandit_epsilon", 0.1, "Bandit exploration rate.")
 _BANDIT_WINDOW = flags.DEFINE_integer("bandit_window", 300, "Rewards the bandit keeps per "
                                       "batch bucket and strategy.")
+_BANDIT_STATE = flags.DEFINE_string(
+    "bandit_state", None, "Bandit state JSON: read first if it exists, rewritten after the "
+    "rollout, so the bandit keeps learning across runs.")
 _SD_THRESHOLD = flags.DEFINE_integer("sd_threshold", 32, "SD turns on once at most this many "
                                      "rows are live ...")
 _ATTENTION = flags.DEFINE_enum("attention_impl", "auto", ["auto", "reference", "pallas", "triton"],
@@ -83,12 +87,11 @@ def load_spec(config, dtype):
   import jax.numpy as jnp
 
   from tlt_jax.drafter.trainer import load_drafter
-  from tlt_jax.rollout.bandit import StrategyBandit
   from tlt_jax.rollout.engine import SpecConfig
   from tlt_jax.rollout.strategy import SpecStrategy
 
   sd_flags = [f for f in ("strategy", "sd_threshold", "sd_patience", "bandit_epsilon",
-                          "bandit_window") if flags.FLAGS[f].present]
+                          "bandit_window", "bandit_state") if flags.FLAGS[f].present]
   if _DRAFTER.value is None:
     if sd_flags:
       raise UserInputError(f"--{sd_flags[0]} needs --drafter (speculative decoding is off)")
@@ -96,9 +99,27 @@ def load_spec(config, dtype):
   strategies = strategy_flags()
   drafter, vocab_ids = load_drafter(_DRAFTER.value, config, dtype)
   choice = (dict(strategy=strategies) if isinstance(strategies, SpecStrategy)
-            else dict(bandit=StrategyBandit(strategies)))
-  return SpecConfig(drafter=drafter, vocab_ids=None if vocab_ids is None else jnp.asarray(vocab_ids),
+            else dict(bandit=load_bandit(strategies)))
+  return SpecConfig(drafter=drafter,
+                    vocab_ids=None if vocab_ids is None else jnp.asarray(vocab_ids),
                     threshold=_SD_THRESHOLD.value, patience=_SD_PATIENCE.value, **choice)
+
+
+def load_bandit(bandit_config):
+  """A fresh bandit, or the one saved in --bandit_state when that file exists."""
+  from tlt_jax.rollout.bandit import StrategyBandit
+
+  path = _BANDIT_STATE.value
+  if path is None or not os.path.exists(path):
+    return StrategyBandit(bandit_config)
+  try:
+    with open(path) as f:
+      state = json.load(f)
+    return StrategyBandit.from_state_dict(bandit_config, state)
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise UserInputError(f"--bandit_state={path}: cannot read ({e})") from None
+  except UserInputError as e:
+    raise UserInputError(f"--bandit_state={path}: {e}") from None
 
 
 def strategy_flags():
@@ -106,7 +127,8 @@ def strategy_flags():
   from tlt_jax.rollout.bandit import BanditConfig, parse_strategies
 
   strategies = parse_strategies(_STRATEGY.value)
-  bandit_flags = [f for f in ("bandit_epsilon", "bandit_window") if flags.FLAGS[f].present]
+  bandit_flags = [f for f in ("bandit_epsilon", "bandit_window", "bandit_state")
+                  if flags.FLAGS[f].present]
   if len(strategies) == 1:
     if bandit_flags:
       raise UserInputError(f"--{bandit_flags[0]} needs a pool of strategies in --strategy")
@@ -150,6 +172,8 @@ def main(argv):
                     "finish_reason": out.finish_reason})
   stats = dict(result.stats, load_s=load_s, model=_MODEL.value, dtype=_DTYPE.value)
   cli.write_json_atomic(_OUTPUT.value, {"outputs": outputs, "stats": stats})
+  if spec is not None and spec.bandit is not None and _BANDIT_STATE.value:
+    cli.write_json_atomic(_BANDIT_STATE.value, spec.bandit.state_dict())
   print(f"wrote {_OUTPUT.value}: {stats['generated_tokens']} tokens, "
         f"{stats['tokens_per_s']:.1f} tokens/s (including compile)", file=sys.stderr)
 

@@ -69,6 +69,10 @@ def test_state_round_trip_continues_identically():
   assert _play(bandit, 2, rewards, 40) == _play(restored, 2, rewards, 40)
   with pytest.raises(UserInputError, match="bandit state"):
     StrategyBandit.from_state_dict(BanditConfig(POOL[:2]), state)
+  with pytest.raises(UserInputError, match="bandit state: malformed"):
+    StrategyBandit.from_state_dict(config, dict(state, pulls=[[1, 2]]))
+  with pytest.raises(UserInputError, match="bandit state: malformed"):
+    StrategyBandit.from_state_dict(config, {k: v for k, v in state.items() if k != "rng"})
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -50,13 +50,20 @@ def test_sd_cli_matches_plain_and_reports_stats(tiny_hf_dirs, drafter_dirs, tmp_
   assert stats["spec/accept_len"] >= 1.0 and 0 < stats["spec/enabled_frac"] <= 1
   assert stats["compile/programs"] > 0
   # A pool: the bandit picks per chunk (epsilon 1: at random), and the output is the same.
-  pool, pool_out = _run(common + [f"--drafter={drafter_dirs['good']}", "--strategy=2_1_3,3_2_5",
-                                  "--bandit_epsilon=1", "--sd_threshold=4", "--sd_patience=0"],
-                        tmp_path / "pool.json")
-  assert pool.returncode == 0, pool.stderr
-  c = json.loads(pool_out.read_text())
-  assert [o["token_ids"] for o in a["outputs"]] == [o["token_ids"] for o in c["outputs"]]
-  assert c["stats"]["spec/strategy"] == "2_1_3,3_2_5" and c["stats"]["spec/bandit"]
+  # Its state is saved, and a second run resumes from it.
+  bandit_state = tmp_path / "bandit.json"
+  pool_args = common + [f"--drafter={drafter_dirs['good']}", "--strategy=2_1_3,3_2_5",
+                        "--bandit_epsilon=1", "--sd_threshold=4", "--sd_patience=0",
+                        f"--bandit_state={bandit_state}"]
+  pulls = []
+  for run in range(2):
+    pool, pool_out = _run(pool_args, tmp_path / f"pool{run}.json")
+    assert pool.returncode == 0, pool.stderr
+    c = json.loads(pool_out.read_text())
+    assert [o["token_ids"] for o in a["outputs"]] == [o["token_ids"] for o in c["outputs"]]
+    assert c["stats"]["spec/strategy"] == "2_1_3,3_2_5"
+    pulls.append(sum(map(sum, json.loads(bandit_state.read_text())["pulls"])))
+  assert 0 < pulls[0] < pulls[1]
 
 
 @pytest.mark.parametrize("flag_args,needle", [
@@ -65,6 +72,7 @@ def test_sd_cli_matches_plain_and_reports_stats(tiny_hf_dirs, drafter_dirs, tmp_
     (["--strategy=4_1_5,4_1_5"], "listed twice"),
     (["--strategy=4_1_5,2_1_3", "--bandit_epsilon=2"], "--bandit_epsilon"),
     (["--bandit_window=5"], "--bandit_window needs a pool"),
+    (["--strategy=4_1_5,2_1_3", "--bandit_state=BADSTATE"], "--bandit_state"),
     (["--sd_threshold=0"], "--sd_threshold"),
     (["--sd_threshold=100000"], "--sd_threshold"),
     (["--drafter=OTHER"], "fc.weight"),
@@ -73,8 +81,10 @@ def test_sd_cli_matches_plain_and_reports_stats(tiny_hf_dirs, drafter_dirs, tmp_
 def test_sd_cli_bad_input(tiny_hf_dirs, drafter_dirs, tmp_path, flag_args, needle):
   prompts = tmp_path / "prompts.json"
   prompts.write_text(json.dumps([[5, 6, 7]]))
+  bad_state = tmp_path / "bad_state.json"
+  bad_state.write_text(json.dumps({"strategies": ["4_1_5", "2_1_3"], "rewards": 3}))
   flag_args = [a.replace("OTHER", drafter_dirs["other"]).replace("MISSING", str(tmp_path / "no"))
-               for a in flag_args]
+               .replace("BADSTATE", str(bad_state)) for a in flag_args]
   if not any(a.startswith("--drafter") for a in flag_args):
     flag_args.append(f"--drafter={drafter_dirs['good']}")
   proc, out = _run([f"--model={tiny_hf_dirs['llama']}", f"--prompts_json={prompts}",

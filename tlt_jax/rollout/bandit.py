@@ -119,11 +119,18 @@ class StrategyBandit:
           f"bandit state: saved for strategies {state.get('strategies')} and buckets "
           f"{state.get('bucket_bounds')}, not {names} and {list(config.bucket_bounds)}")
     bandit = cls(config)
-    for bucket, saved in zip(bandit._rewards, state["rewards"]):
-      for window, values in zip(bucket, saved):
-        window.extend(values)
-    bandit._pulls = np.asarray(state["pulls"], np.int64)
-    bandit._rng.bit_generator.state = state["rng"]
+    try:
+      rewards, pulls = state["rewards"], np.asarray(state["pulls"], np.int64)
+      if len(rewards) != len(bandit._rewards) or pulls.shape != bandit._pulls.shape or any(
+          len(saved) != len(names) for saved in rewards):
+        raise ValueError("rewards/pulls do not match the buckets and strategies")
+      for bucket, saved in zip(bandit._rewards, rewards):
+        for window, values in zip(bucket, saved):
+          window.extend(float(v) for v in values)
+      bandit._pulls = pulls
+      bandit._rng.bit_generator.state = state["rng"]
+    except (KeyError, TypeError, ValueError) as e:
+      raise UserInputError(f"bandit state: malformed ({e})") from None
     return bandit
 
 
