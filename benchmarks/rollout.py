@@ -100,8 +100,8 @@ def main(argv):
   questions = [q for _, q in build_questions(tasks, max(64, _TAIL_ROWS.value), _SEED.value)]
   prompts = [tokenizer.chat_prompt(q) for q in questions]
 
-  def spec_for(strategy, threshold, patience):
-    strategies = parse_strategies(strategy)
+  def spec_for(strategy, threshold, patience, flag):
+    strategies = parse_strategies(strategy, flag)
     choice = (dict(strategy=strategies[0]) if len(strategies) == 1
               else dict(bandit=StrategyBandit(BanditConfig(strategies, seed=_SEED.value))))
     return SpecConfig(drafter=drafter, vocab_ids=vocab_ids, threshold=threshold,
@@ -142,8 +142,9 @@ def main(argv):
       for batch in (int(b) for b in _BATCHES.value):
         for strategy in _STRATEGIES.value:
           log(f"fixed batch={batch} T={temperature} strategy={strategy}")
-          plain, sd = alternate(prompts[:batch], sampling, spec_for(strategy, batch, 0),
-                                _NEW_TOKENS.value, _REPEATS.value)
+          spec = spec_for(strategy, batch, 0, "--strategies")
+          plain, sd = alternate(prompts[:batch], sampling, spec, _NEW_TOKENS.value,
+                                _REPEATS.value)
           # Throughput ratio: under sampling the two sides draw different tokens (and EOS at
           # different times), so their wall times cover different amounts of work.
           ratios = [s[1].stats["tokens_per_s"] / p[1].stats["tokens_per_s"]
@@ -158,7 +159,7 @@ def main(argv):
     caps = _drawn_caps(_TAIL_ROWS.value)
     log(f"long tail: {_TAIL_ROWS.value} rows, caps p50 {int(np.median(caps))} max {max(caps)}")
     sampling = SamplingParams(temperature=_TAIL_TEMPERATURE.value)
-    tail_spec = spec_for(_TAIL_STRATEGY.value, _TAIL_THRESHOLD.value, 10)
+    tail_spec = spec_for(_TAIL_STRATEGY.value, _TAIL_THRESHOLD.value, 10, "--tail_strategy")
     plain, sd = alternate(prompts[:_TAIL_ROWS.value], sampling, tail_spec, caps,
                           _TAIL_REPEATS.value)
     lengths = sorted(len(o.token_ids) for o in plain[-1][1].outputs)
@@ -192,7 +193,8 @@ def main(argv):
         result = generate(model.params, model.config, accept_prompts,
                           max_new_tokens=_NEW_TOKENS.value,
                           sampling=SamplingParams(temperature=temperature), eos_ids=eos,
-                          seed=1, spec=spec_for(strategy, len(accept_prompts), 0))
+                          seed=1,
+                          spec=spec_for(strategy, len(accept_prompts), 0, "--accept_strategies"))
         entry = {"temperature": temperature, "strategy": strategy,
                  "prompts": len(accept_prompts), "tasks": accept_tasks,
                  "accept_len": result.stats["spec/accept_len"],

@@ -96,10 +96,10 @@ def load_spec(config, dtype):
     if sd_flags:
       raise UserInputError(f"--{sd_flags[0]} needs --drafter (speculative decoding is off)")
     return None
-  strategies = strategy_flags()
+  fixed_or_pool = strategy_flags()
   drafter, vocab_ids = load_drafter(_DRAFTER.value, config, dtype)
-  choice = (dict(strategy=strategies) if isinstance(strategies, SpecStrategy)
-            else dict(bandit=load_bandit(strategies)))
+  choice = (dict(strategy=fixed_or_pool) if isinstance(fixed_or_pool, SpecStrategy)
+            else dict(bandit=load_bandit(fixed_or_pool)))
   return SpecConfig(drafter=drafter,
                     vocab_ids=None if vocab_ids is None else jnp.asarray(vocab_ids),
                     threshold=_SD_THRESHOLD.value, patience=_SD_PATIENCE.value, **choice)
@@ -144,11 +144,14 @@ def main(argv):
   from tlt_jax.models.loading import load_model
   from tlt_jax.rollout.engine import SpecConfig, generate
   from tlt_jax.rollout.sampling import SamplingParams
+  from tlt_jax.rollout.strategy import SpecStrategy
 
   sampling = SamplingParams(temperature=_TEMPERATURE.value, top_p=_TOP_P.value,
                             top_k=_TOP_K.value)
   # Cheap checks before the model loads: a bad flag should not cost a minute.
-  strategy_flags()
+  fixed_or_pool = strategy_flags()
+  if not isinstance(fixed_or_pool, SpecStrategy):
+    load_bandit(fixed_or_pool)
   SpecConfig.validate_schedule(_SD_THRESHOLD.value, _SD_PATIENCE.value)
   prompts = read_prompts(_PROMPTS.value)
   start = time.perf_counter()

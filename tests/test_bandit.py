@@ -73,6 +73,8 @@ def test_state_round_trip_continues_identically():
     StrategyBandit.from_state_dict(config, dict(state, pulls=[[1, 2]]))
   with pytest.raises(UserInputError, match="bandit state: malformed"):
     StrategyBandit.from_state_dict(config, {k: v for k, v in state.items() if k != "rng"})
+  with pytest.raises(UserInputError, match="bandit state: malformed"):
+    StrategyBandit.from_state_dict(config, [1, 2])
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -80,8 +82,8 @@ def test_state_round_trip_continues_identically():
     (dict(strategies=POOL + POOL[:1]), "listed twice"),
     (dict(strategies=POOL, epsilon=1.5), "--bandit_epsilon"),
     (dict(strategies=POOL, window=0), "--bandit_window"),
-    (dict(strategies=POOL, bucket_bounds=(4, 4)), "--bandit_buckets"),
-    (dict(strategies=POOL, bucket_bounds=(0, 4)), "--bandit_buckets"),
+    (dict(strategies=POOL, bucket_bounds=(4, 4)), "bucket bounds"),
+    (dict(strategies=POOL, bucket_bounds=(0, 4)), "bucket bounds"),
 ])
 def test_bad_bandit_config_is_one_line_error(kwargs, match):
   with pytest.raises(UserInputError, match=match):

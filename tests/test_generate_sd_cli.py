@@ -72,7 +72,7 @@ def test_sd_cli_matches_plain_and_reports_stats(tiny_hf_dirs, drafter_dirs, tmp_
     (["--strategy=4_1_5,4_1_5"], "listed twice"),
     (["--strategy=4_1_5,2_1_3", "--bandit_epsilon=2"], "--bandit_epsilon"),
     (["--bandit_window=5"], "--bandit_window needs a pool"),
-    (["--strategy=4_1_5,2_1_3", "--bandit_state=BADSTATE"], "--bandit_state"),
+    (["--strategy=4_1_5,2_1_3", "--bandit_state=BADSTATE"], "malformed"),
     (["--sd_threshold=0"], "--sd_threshold"),
     (["--sd_threshold=100000"], "--sd_threshold"),
     (["--drafter=OTHER"], "fc.weight"),
@@ -82,7 +82,8 @@ def test_sd_cli_bad_input(tiny_hf_dirs, drafter_dirs, tmp_path, flag_args, needl
   prompts = tmp_path / "prompts.json"
   prompts.write_text(json.dumps([[5, 6, 7]]))
   bad_state = tmp_path / "bad_state.json"
-  bad_state.write_text(json.dumps({"strategies": ["4_1_5", "2_1_3"], "rewards": 3}))
+  bad_state.write_text(json.dumps({"strategies": ["4_1_5", "2_1_3"], "bucket_bounds": [1, 4, 20],
+                                   "rewards": 3}))
   flag_args = [a.replace("OTHER", drafter_dirs["other"]).replace("MISSING", str(tmp_path / "no"))
                .replace("BADSTATE", str(bad_state)) for a in flag_args]
   if not any(a.startswith("--drafter") for a in flag_args):

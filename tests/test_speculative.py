@@ -12,7 +12,7 @@ from tlt_jax.models import drafter as drafter_lib
 from tlt_jax.models import transformer
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.rollout.bandit import BanditConfig, StrategyBandit, parse_strategies
-from tlt_jax.rollout.engine import SpecConfig, compiled_programs, generate
+from tlt_jax.rollout.engine import SpecConfig, generate
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.strategy import SpecStrategy
 
@@ -262,7 +262,8 @@ def test_spec_config_takes_one_strategy_source():
   with pytest.raises(UserInputError, match="exactly one"):
     SpecConfig(drafter=drafter)
   with pytest.raises(UserInputError, match="exactly one"):
-    SpecConfig(drafter=drafter, strategy=BANDIT_POOL[0], bandit=StrategyBandit(BanditConfig(BANDIT_POOL)))
+    SpecConfig(drafter=drafter, strategy=BANDIT_POOL[0],
+               bandit=StrategyBandit(BanditConfig(BANDIT_POOL)))
 
 
 def test_engine_switches_strategies_losslessly_within_its_programs():
@@ -291,4 +292,3 @@ def test_engine_switches_strategies_losslessly_within_its_programs():
   assert pulls > 0 and all(arm["median_tokens_per_s"] > 0
                            for arms in again.stats["spec/bandit"].values()
                            for arm in arms.values())
-  assert compiled_programs() >= 3

@@ -44,8 +44,8 @@ class BanditConfig:
       raise UserInputError(f"--bandit_window={self.window}: must be >= 1")
     bounds = self.bucket_bounds
     if not bounds or bounds[0] < 1 or any(b <= a for a, b in zip(bounds, bounds[1:])):
-      raise UserInputError(f"--bandit_buckets={','.join(map(str, bounds))}: need strictly "
-                           "increasing upper bounds >= 1")
+      raise UserInputError(f"bandit bucket bounds {bounds}: need strictly increasing upper "
+                           "bounds >= 1")
 
   def bucket(self, live_rows: int) -> int:
     return int(np.searchsorted(self.bucket_bounds, live_rows))
@@ -113,6 +113,8 @@ class StrategyBandit:
   @classmethod
   def from_state_dict(cls, config: BanditConfig, state: dict[str, Any]) -> "StrategyBandit":
     names = [s.name for s in config.strategies]
+    if not isinstance(state, dict):
+      raise UserInputError("bandit state: malformed (not a JSON object)")
     if state.get("strategies") != names or state.get("bucket_bounds") != list(
         config.bucket_bounds):
       raise UserInputError(

@@ -128,7 +128,7 @@ class _Harvest:
 
   def take(self, state, row_ids: np.ndarray, which: np.ndarray) -> None:
     speculating = isinstance(state, speculative.SpecState)
-    base = state.base if speculating else state
+    base = _base(state)
     counts = np.asarray(base.num_generated)
     out_tokens, out_logprobs = np.asarray(base.out_tokens), np.asarray(base.out_logprobs)
     if speculating:
@@ -203,7 +203,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
   row_ids = np.where(live, np.arange(batch), -1)
   harvest = _Harvest(len(prompts))
   trace, spec_on_at, steps_below, chunk_start_generated = [], None, 0, 0
-  plain_steps = spec_steps = 0
+  plain_steps = 0
   batch_buckets_used = [batch]
   strategy_chunks = collections.Counter()
   played = None   # (live rows, strategy, start time, programs) of the SD chunk in flight
@@ -258,12 +258,14 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
     if speculating:
       strategy = spec.strategy if spec.bandit is None else spec.bandit.choose(live_rows)
       if spec.bandit is not None:
+        # The timer starts once compaction and the drafter prefill are done, so a reward
+        # measures only the chunk it is given to.
+        jax.block_until_ready(state)
         played = (live_rows, strategy, time.perf_counter(), compiled_programs())
       state = speculative.spec_chunk(params, spec.drafter, head, spec.vocab_ids, state,
                                      strategy=strategy, chunk_steps=chunk_steps,
                                      window=window, **static)
       strategy_chunks[strategy.name] += 1
-      spec_steps += 1
     else:
       state = decode.decode_chunk(params, state, chunk_steps=chunk_steps, window=window,
                                   rules=rules, **static)
@@ -283,7 +285,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
       "rollout/batch_buckets": batch_buckets_used,
       "compile/programs": compiled_programs(),
       "compile/new_programs": compiled_programs() - programs_before,
-      "decode_chunks/plain": plain_steps, "decode_chunks/spec": spec_steps,
+      "decode_chunks/plain": plain_steps, "decode_chunks/spec": sum(strategy_chunks.values()),
   }
   if spec is not None:
     verify_steps, spec_tokens = int(harvest.spec_steps.sum()), int(harvest.spec_tokens.sum())

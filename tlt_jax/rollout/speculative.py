@@ -121,7 +121,8 @@ def _grow_tree(key, params, drafter, head, vocab_ids, config, strategy, sampling
   n_nodes = strategy.num_nodes
   to_token = (lambda ix: ix) if vocab_ids is None else (lambda ix: jnp.take(vocab_ids, ix))
 
-  # Catch up on the accepted pairs; the last one predicts the first level.
+  # Catch up on the accepted pairs; the last one predicts the first level. The pending
+  # width is the rollout's deepest strategy's, so shallower ones pay a few padded slots.
   cache = state.draft_cache
   positions = cache.lengths[:, None] + jnp.arange(state.pend_tokens.shape[1])[None, :]
   hidden, cache = drafter_forward(drafter, params, config, state.pend_tokens, state.pend_hidden,
