@@ -4,7 +4,7 @@
 
 Prints JSON. Part 1: fixed batches (1, 4, 16) at T=0 and T=1, SD on from the first step,
 plain and SD alternated (A B A B ...) after a warm-up run of each, compile time excluded;
-medians and paired ratios. Part 2: a long-tail rollout (64 rows of reasoning prompts whose
+medians and paired ratios. Batch 1 runs --batch1_prompts prompts one after another. Part 2: a long-tail rollout (64 rows of reasoning prompts whose
 response lengths are long-tailed by natural EOS and by per-row caps drawn from a Pareto
 law, as in RL rollouts where most responses end early and a few run to the limit): wall
 time plain vs adaptive SD (switched on for the tail), alternated the same way. Part 3
@@ -17,6 +17,7 @@ import os
 import statistics
 import sys
 import time
+import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -30,6 +31,9 @@ _TEMPERATURES = flags.DEFINE_list("temperatures", ["0", "1"], "Sampling temperat
 _STRATEGIES = flags.DEFINE_list("strategies", ["4_1_5", "6_2_8", "8_4_16"],
                                 "SD strategies tried per setting (the best is reported).")
 _NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 128, "Tokens per row, fixed batches.")
+_BATCH1_PROMPTS = flags.DEFINE_integer(
+    "batch1_prompts", 4, "Batch 1 runs this many prompts one after another (one prompt alone "
+    "makes a noisy accept length); its figures sum over them.", lower_bound=1)
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Alternated A/B repeats per setting.")
 _TAIL_ROWS = flags.DEFINE_integer("tail_rows", 64, "Rows in the long-tail rollout (0: skip it).",
                                   lower_bound=0)
@@ -113,14 +117,28 @@ def main(argv):
                       sampling=sampling, eos_ids=eos, seed=seed, spec=spec)
     return time.perf_counter() - start, result
 
-  def alternate(batch_prompts, sampling, spec, max_new, repeats):
+  def timed_one_by_one(batch_prompts, sampling, spec, max_new, seed):
+    """Each prompt as its own batch-1 rollout, in turn; stats summed over them."""
+    start = time.perf_counter()
+    results = [timed([prompt], sampling, spec, max_new, seed)[1] for prompt in batch_prompts]
+    seconds = time.perf_counter() - start
+    total = lambda key: sum(r.stats.get(key, 0) for r in results)
+    stats = {"generated_tokens": total("generated_tokens"),
+             "tokens_per_s": total("generated_tokens") / seconds}
+    if spec is not None:
+      verify_steps = total("spec/verify_steps")
+      emitted = sum(r.stats["spec/accept_len"] * r.stats["spec/verify_steps"] for r in results)
+      stats.update({"spec/verify_steps": verify_steps, "spec/accept_len": emitted / verify_steps})
+    return seconds, types.SimpleNamespace(stats=stats)
+
+  def alternate(batch_prompts, sampling, spec, max_new, repeats, run=timed):
     """Warm-up both sides, then A B A B ...; returns per-side lists of (seconds, result)."""
-    timed(batch_prompts, sampling, None, max_new, 0)
-    timed(batch_prompts, sampling, spec, max_new, 0)
+    run(batch_prompts, sampling, None, max_new, 0)
+    run(batch_prompts, sampling, spec, max_new, 0)
     plain, sd = [], []
     for r in range(repeats):
-      plain.append(timed(batch_prompts, sampling, None, max_new, 1 + r))
-      sd.append(timed(batch_prompts, sampling, spec, max_new, 1 + r))
+      plain.append(run(batch_prompts, sampling, None, max_new, 1 + r))
+      sd.append(run(batch_prompts, sampling, spec, max_new, 1 + r))
     return plain, sd
 
   def summary(runs):
@@ -143,13 +161,18 @@ def main(argv):
         for strategy in _STRATEGIES.value:
           log(f"fixed batch={batch} T={temperature} strategy={strategy}")
           spec = spec_for(strategy, batch, 0, "--strategies")
-          plain, sd = alternate(prompts[:batch], sampling, spec, _NEW_TOKENS.value,
-                                _REPEATS.value)
+          if batch == 1:
+            plain, sd = alternate(prompts[:_BATCH1_PROMPTS.value], sampling, spec,
+                                  _NEW_TOKENS.value, _REPEATS.value, run=timed_one_by_one)
+          else:
+            plain, sd = alternate(prompts[:batch], sampling, spec, _NEW_TOKENS.value,
+                                  _REPEATS.value)
           # Throughput ratio: under sampling the two sides draw different tokens (and EOS at
           # different times), so their wall times cover different amounts of work.
           ratios = [s[1].stats["tokens_per_s"] / p[1].stats["tokens_per_s"]
                     for p, s in zip(plain, sd)]
           entry = {"batch": batch, "temperature": temperature, "strategy": strategy,
+                   "prompts": _BATCH1_PROMPTS.value if batch == 1 else batch,
                    "plain": summary(plain), "sd": summary(sd),
                    "speedup_paired_median": statistics.median(ratios)}
           log(json.dumps(entry))
