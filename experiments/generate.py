@@ -82,13 +82,12 @@ def tokenize_prompts(prompts: list, tokenizer, vocab_size: int, chat: bool) -> l
   return token_lists
 
 
-def load_spec(config, dtype):
+def load_spec(config, dtype, strategy_choice: dict):
   """The SD configuration from --drafter/--strategy/--sd_*; None when SD is off."""
   import jax.numpy as jnp
 
   from tlt_jax.drafter.trainer import load_drafter
   from tlt_jax.rollout.engine import SpecConfig
-  from tlt_jax.rollout.strategy import SpecStrategy
 
   sd_flags = [f for f in ("strategy", "sd_threshold", "sd_patience", "bandit_epsilon",
                           "bandit_window", "bandit_state") if flags.FLAGS[f].present]
@@ -96,13 +95,11 @@ def load_spec(config, dtype):
     if sd_flags:
       raise UserInputError(f"--{sd_flags[0]} needs --drafter (speculative decoding is off)")
     return None
-  fixed_or_pool = strategy_flags()
   drafter, vocab_ids = load_drafter(_DRAFTER.value, config, dtype)
-  choice = (dict(strategy=fixed_or_pool) if isinstance(fixed_or_pool, SpecStrategy)
-            else dict(bandit=load_bandit(fixed_or_pool)))
   return SpecConfig(drafter=drafter,
                     vocab_ids=None if vocab_ids is None else jnp.asarray(vocab_ids),
-                    threshold=_SD_THRESHOLD.value, patience=_SD_PATIENCE.value, **choice)
+                    threshold=_SD_THRESHOLD.value, patience=_SD_PATIENCE.value,
+                    **strategy_choice)
 
 
 def load_bandit(bandit_config):
@@ -122,8 +119,9 @@ def load_bandit(bandit_config):
     raise UserInputError(f"--bandit_state={path}: {e}") from None
 
 
-def strategy_flags():
-  """--strategy and --bandit_*: one SpecStrategy, or a BanditConfig over a pool."""
+def strategy_flags() -> dict:
+  """--strategy and --bandit_*: SpecConfig's `strategy=` (one) or `bandit=` (a pool, with
+  the state of --bandit_state when that file exists)."""
   from tlt_jax.rollout.bandit import BanditConfig, parse_strategies
 
   strategies = parse_strategies(_STRATEGY.value)
@@ -132,9 +130,9 @@ def strategy_flags():
   if len(strategies) == 1:
     if bandit_flags:
       raise UserInputError(f"--{bandit_flags[0]} needs a pool of strategies in --strategy")
-    return strategies[0]
-  return BanditConfig(strategies, epsilon=_BANDIT_EPSILON.value, window=_BANDIT_WINDOW.value,
-                      seed=_SEED.value)
+    return {"strategy": strategies[0]}
+  return {"bandit": load_bandit(BanditConfig(strategies, epsilon=_BANDIT_EPSILON.value,
+                                             window=_BANDIT_WINDOW.value, seed=_SEED.value))}
 
 
 def main(argv):
@@ -144,21 +142,18 @@ def main(argv):
   from tlt_jax.models.loading import load_model
   from tlt_jax.rollout.engine import SpecConfig, generate
   from tlt_jax.rollout.sampling import SamplingParams
-  from tlt_jax.rollout.strategy import SpecStrategy
 
   sampling = SamplingParams(temperature=_TEMPERATURE.value, top_p=_TOP_P.value,
                             top_k=_TOP_K.value)
   # Cheap checks before the model loads: a bad flag should not cost a minute.
-  fixed_or_pool = strategy_flags()
-  if not isinstance(fixed_or_pool, SpecStrategy):
-    load_bandit(fixed_or_pool)
+  strategy_choice = strategy_flags()
   SpecConfig.validate_schedule(_SD_THRESHOLD.value, _SD_PATIENCE.value)
   prompts = read_prompts(_PROMPTS.value)
   start = time.perf_counter()
   print(f"loading {_MODEL.value} ...", file=sys.stderr)
   model = load_model(_MODEL.value, dtype=jnp.dtype(_DTYPE.value))
   load_s = time.perf_counter() - start
-  spec = load_spec(model.config, jnp.dtype(_DTYPE.value))
+  spec = load_spec(model.config, jnp.dtype(_DTYPE.value), strategy_choice)
   token_lists = tokenize_prompts(prompts, model.tokenizer, model.config.vocab_size, _CHAT.value)
   eos_ids = set(model.config.eos_token_ids)
   if model.tokenizer is not None:
