@@ -4,11 +4,12 @@
 
 Prints JSON. Part 1: fixed batches (1, 4, 16) at T=0 and T=1, SD on from the first step,
 plain and SD alternated (A B A B ...) after a warm-up run of each, compile time excluded;
-medians and paired ratios. Batch 1 runs --batch1_prompts prompts one after another. Part 2: a long-tail rollout (64 rows of reasoning prompts whose
-response lengths are long-tailed by natural EOS and by per-row caps drawn from a Pareto
-law, as in RL rollouts where most responses end early and a few run to the limit): wall
-time plain vs adaptive SD (switched on for the tail), alternated the same way. Part 3
-(--accept_prompts): accept length over a wider prompt set, no timing.
+medians and paired ratios; batch 1 runs --batch1_prompts prompts one after another.
+Part 2: a long-tail rollout (64 rows of reasoning prompts whose response lengths are
+long-tailed by natural EOS and by per-row caps drawn from a Pareto law, as in RL rollouts
+where most responses end early and a few run to the limit): wall time plain vs adaptive SD
+(switched on for the tail), alternated the same way. Part 3 (--accept_prompts): accept
+length over a wider prompt set, no timing.
 """
 from __future__ import annotations
 
