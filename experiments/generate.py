@@ -47,6 +47,10 @@ _SD_THRESHOLD = flags.DEFINE_integer("sd_threshold", 32, "SD turns on once at mo
 _ATTENTION = flags.DEFINE_enum("attention_impl", "auto", ["auto", "reference", "pallas", "triton"],
                                "Attention kernel: auto = Pallas on GPU, jnp elsewhere.")
 _SD_PATIENCE = flags.DEFINE_integer("sd_patience", 10, "... for this many decode steps.")
+_PRECOMPILE = flags.DEFINE_bool(
+    "precompile", False, "Compile every program the rollout can reach (each batch bucket, "
+    "attention window and strategy) before it starts, so decoding never stops to compile and "
+    "every bandit chunk is scored.")
 flags.mark_flags_as_required(["prompts_json", "output_json"])
 
 
@@ -141,6 +145,7 @@ def main(argv):
 
   from tlt_jax.models.loading import load_model
   from tlt_jax.rollout.engine import SpecConfig, generate
+  from tlt_jax.rollout.precompile import precompile
   from tlt_jax.rollout.sampling import SamplingParams
 
   sampling = SamplingParams(temperature=_TEMPERATURE.value, top_p=_TOP_P.value,
@@ -158,22 +163,31 @@ def main(argv):
   eos_ids = set(model.config.eos_token_ids)
   if model.tokenizer is not None:
     eos_ids |= set(model.tokenizer.eos_token_ids)
+  rollout = dict(max_new_tokens=_MAX_NEW.value, sampling=sampling, eos_ids=tuple(eos_ids),
+                 spec=spec, attention_impl=_ATTENTION.value)
+  precompiled = {}
+  if _PRECOMPILE.value:
+    print("precompiling the rollout's programs ...", file=sys.stderr)
+    start = time.perf_counter()
+    programs = precompile(model.params, model.config, token_lists, **rollout)
+    precompiled = {"compile/precompiled_programs": programs,
+                   "compile/precompile_s": time.perf_counter() - start}
   print(f"generating {len(token_lists)} prompts x {_MAX_NEW.value} tokens ...", file=sys.stderr)
-  result = generate(model.params, model.config, token_lists, max_new_tokens=_MAX_NEW.value,
-                    sampling=sampling, eos_ids=tuple(eos_ids), seed=_SEED.value, spec=spec,
-                    attention_impl=_ATTENTION.value)
+  result = generate(model.params, model.config, token_lists, seed=_SEED.value, **rollout)
   outputs = []
   for out in result.outputs:
     content = [t for t in out.token_ids if t not in eos_ids]
     text = model.tokenizer.decode(content) if model.tokenizer is not None else None
     outputs.append({"token_ids": out.token_ids, "text": text, "logprobs": out.logprobs,
                     "finish_reason": out.finish_reason})
-  stats = dict(result.stats, load_s=load_s, model=_MODEL.value, dtype=_DTYPE.value)
+  stats = dict(result.stats, **precompiled, load_s=load_s, model=_MODEL.value,
+               dtype=_DTYPE.value)
   cli.write_json_atomic(_OUTPUT.value, {"outputs": outputs, "stats": stats})
   if spec is not None and spec.bandit is not None and _BANDIT_STATE.value:
     cli.write_json_atomic(_BANDIT_STATE.value, spec.bandit.state_dict())
   print(f"wrote {_OUTPUT.value}: {stats['generated_tokens']} tokens, "
-        f"{stats['tokens_per_s']:.1f} tokens/s (including compile)", file=sys.stderr)
+        f"{stats['tokens_per_s']:.1f} tokens/s "
+        f"({'compiled before' if _PRECOMPILE.value else 'including compile'})", file=sys.stderr)
 
 
 if __name__ == "__main__":

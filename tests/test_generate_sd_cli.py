@@ -50,16 +50,20 @@ def test_sd_cli_matches_plain_and_reports_stats(tiny_hf_dirs, drafter_dirs, tmp_
   assert stats["spec/accept_len"] >= 1.0 and 0 < stats["spec/enabled_frac"] <= 1
   assert stats["compile/programs"] > 0
   # A pool: the bandit picks per chunk (epsilon 1: at random), and the output is the same.
-  # Its state is saved, and a second run resumes from it.
+  # Its state is saved, and a second run resumes from it; that one precompiles, so its
+  # rollout compiles nothing.
   bandit_state = tmp_path / "bandit.json"
   pool_args = common + [f"--drafter={drafter_dirs['good']}", "--strategy=2_1_3,3_2_5",
                         "--bandit_epsilon=1", "--sd_threshold=4", "--sd_patience=0",
                         f"--bandit_state={bandit_state}"]
   pulls = []
   for run in range(2):
-    pool, pool_out = _run(pool_args, tmp_path / f"pool{run}.json")
+    pool, pool_out = _run(pool_args + ["--precompile"] * run, tmp_path / f"pool{run}.json")
     assert pool.returncode == 0, pool.stderr
     c = json.loads(pool_out.read_text())
+    if run == 1:
+      assert c["stats"]["compile/precompiled_programs"] > 0
+      assert c["stats"]["compile/new_programs"] == 0
     assert [o["token_ids"] for o in a["outputs"]] == [o["token_ids"] for o in c["outputs"]]
     assert c["stats"]["spec/strategy"] == "2_1_3,3_2_5"
     pulls.append(sum(map(sum, json.loads(bandit_state.read_text())["pulls"])))

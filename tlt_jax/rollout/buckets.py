@@ -37,6 +37,13 @@ class BucketSpec:
       window *= 2
     return min(window, cache_length)
 
+  def attention_windows(self, min_tokens: int, cache_length: int) -> list[int]:
+    """Every window `attention_window` can return for `min_tokens` or more, ascending."""
+    windows = [self.attention_window(min_tokens, cache_length)]
+    while windows[-1] < cache_length:
+      windows.append(min(2 * windows[-1], cache_length))
+    return windows
+
 
 def round_up(n: int, multiple: int) -> int:
   return max(multiple, -(-n // multiple) * multiple)

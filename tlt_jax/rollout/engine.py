@@ -6,7 +6,8 @@ true size rather than padded to the starting batch, (2) switches speculative dec
 once at most `sd_threshold` rows have stayed live for `sd_patience` steps, and (3) with a
 pool of strategies, lets the BEG-MAB bandit pick each SD chunk's strategy and scores it by
 the chunk's tokens per second. Every program is keyed by (batch bucket, cache length,
-strategy): the set is finite, and `compiled_programs()` reports how many exist.
+strategy): the set is finite, `compiled_programs()` reports how many exist, and
+`precompile` (precompile.py) builds a rollout's whole set before it starts.
 """
 from __future__ import annotations
 
@@ -165,6 +166,55 @@ def _row_caps(prompts, max_new_tokens, config) -> np.ndarray:
   return caps
 
 
+@dataclasses.dataclass(frozen=True)
+class RolloutPlan:
+  """The static shapes of one rollout: what keys its programs."""
+  caps: tuple[int, ...]        # each row's token budget
+  batch: int                   # starting batch bucket
+  prompt_len: int              # padded prompt length
+  cache_len: int
+  eos_ids: tuple[int, ...]
+
+  @property
+  def max_new_tokens(self) -> int:
+    return max(self.caps)
+
+
+def plan_rollout(prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
+                 config: ModelConfig, buckets: BucketSpec, spec: SpecConfig | None,
+                 eos_ids: Sequence[int]) -> RolloutPlan:
+  caps = _row_caps(prompts, max_new_tokens, config)
+  prompt_len = buckets.prompt_length(max(len(p) for p in prompts))
+  margin = speculative.cache_margin(spec.strategies) if spec else 0
+  longest_row = max(len(p) + int(cap) for p, cap in zip(prompts, caps))
+  return RolloutPlan(caps=tuple(int(c) for c in caps), batch=buckets.batch_bucket(len(prompts)),
+                     prompt_len=prompt_len,
+                     cache_len=buckets.cache_length(max(prompt_len, longest_row + margin)),
+                     eos_ids=tuple(sorted(set(int(e) for e in eos_ids))))
+
+
+def check_attention_impl(attention_impl: str) -> None:
+  if attention_impl not in IMPLS:
+    raise UserInputError(f"--attention_impl={attention_impl!r}: expected one of {', '.join(IMPLS)}")
+
+
+def chunk_reach(longest_live: int, chunk_steps: int, spec: SpecConfig | None) -> int:
+  """Cache slots a chunk can touch (the ones it may write included): with `spec`, a
+  speculative chunk of any of its strategies, else a plain one."""
+  if spec is None:
+    return longest_live + chunk_steps
+  return (longest_live + chunk_steps * speculative.pending_width(spec.strategies)
+          + speculative.cache_margin(spec.strategies))
+
+
+def chunk_window(longest_live: int, chunk_steps: int, spec: SpecConfig | None,
+                 plan: RolloutPlan, buckets: BucketSpec) -> int | None:
+  """The cache prefix a chunk attends over; None is the whole cache."""
+  window = buckets.attention_window(chunk_reach(longest_live, chunk_steps, spec),
+                                    plan.cache_len)
+  return None if window == plan.cache_len else window
+
+
 def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int]], *,
              max_new_tokens: int | Sequence[int], sampling: SamplingParams = SamplingParams(),
              eos_ids: Sequence[int] = (), seed: int = 0, buckets: BucketSpec = BucketSpec(),
@@ -177,21 +227,14 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
   attention_impl: "auto" (Pallas kernel on GPU, jnp elsewhere), "reference", "pallas"
   (interpreted off-GPU: slow, for checking) or "triton".
   """
-  if attention_impl not in IMPLS:
-    raise UserInputError(f"--attention_impl={attention_impl!r}: expected one of {', '.join(IMPLS)}")
-  caps = _row_caps(prompts, max_new_tokens, config)
-  max_new_tokens = int(caps.max())
-  batch = buckets.batch_bucket(len(prompts))
-  prompt_len = buckets.prompt_length(max(len(p) for p in prompts))
-  margin = speculative.cache_margin(spec.strategies) if spec else 0
-  longest_row = max(len(p) + int(cap) for p, cap in zip(prompts, caps))
-  cache_len = buckets.cache_length(max(prompt_len, longest_row + margin))
+  check_attention_impl(attention_impl)
+  plan = plan_rollout(prompts, max_new_tokens, config, buckets, spec, eos_ids)
+  batch, prompt_len, cache_len = plan.batch, plan.prompt_len, plan.cache_len
   tokens, lengths, live = pad_prompts(prompts, batch, prompt_len)
   row_caps = np.ones((batch,), np.int32)
-  row_caps[:len(prompts)] = caps
-  eos = tuple(sorted(set(int(e) for e in eos_ids)))
-  static = dict(config=config, sampling=sampling, eos_ids=eos, max_new_tokens=max_new_tokens,
-                attention_impl=attention_impl)
+  row_caps[:len(prompts)] = plan.caps
+  static = dict(config=config, sampling=sampling, eos_ids=plan.eos_ids,
+                max_new_tokens=plan.max_new_tokens, attention_impl=attention_impl)
   dtype = params["embed"].dtype
   programs_before = compiled_programs()
 
@@ -249,12 +292,8 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
             attention_impl=attention_impl)
     chunk_start_generated = generated
     speculating = isinstance(state, speculative.SpecState)
-    # Attend over only the cache prefix this chunk can reach (slots it may write included).
-    reach = longest_live + (
-        chunk_steps * speculative.pending_width(spec.strategies) + margin if speculating
-        else chunk_steps)
-    window = buckets.attention_window(reach, cache_len)
-    window = None if window == cache_len else window
+    window = chunk_window(longest_live, chunk_steps, spec if speculating else None, plan,
+                          buckets)
     if speculating:
       strategy = spec.strategy if spec.bandit is None else spec.bandit.choose(live_rows)
       if spec.bandit is not None:
@@ -274,7 +313,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
 
   outputs = []
   for ids, logprobs in zip(harvest.tokens, harvest.logprobs):
-    reason = "eos" if ids and ids[-1] in eos else "length"
+    reason = "eos" if ids and ids[-1] in plan.eos_ids else "length"
     outputs.append(GenerationOutput(ids, logprobs, reason))
   generated = sum(len(o.token_ids) for o in outputs)
   stats = {

@@ -1,0 +1,93 @@
+"""Compiles a rollout's whole program pool up front, so the rollout itself compiles nothing.
+
+`generate` compiles lazily: a program is built the first time its (batch bucket, attention
+window, strategy) comes up. The first long-tail rollouts of a run, and every strategy a
+bandit tries for the first time, would then pay compile time in the middle of decoding
+(and a bandit chunk that compiled is not scored). `precompile` enumerates every program
+that a `generate` call with the same arguments can dispatch and runs each once on rows
+that are all finished, so its loops exit at once: only the prefill does real work.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.drafter import draft_head, init_drafter_cache
+from tlt_jax.models.kv_cache import init_cache
+from tlt_jax.models.transformer import Params
+from tlt_jax.rollout import decode, speculative
+from tlt_jax.rollout.buckets import BucketSpec
+from tlt_jax.rollout.engine import (SpecConfig, check_attention_impl, chunk_reach,
+                                    compiled_programs, plan_rollout, take_rows)
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.sharding.rules import MeshRules
+
+
+def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int]], *,
+               max_new_tokens: int | Sequence[int],
+               sampling: SamplingParams = SamplingParams(), eos_ids: Sequence[int] = (),
+               buckets: BucketSpec = BucketSpec(), chunk_steps: int = 16,
+               rules: MeshRules | None = None, spec: SpecConfig | None = None,
+               compact: bool = True, attention_impl: str = "auto") -> int:
+  """Compiles every program `generate` can dispatch with these arguments, for any prompts
+  that give the same rollout plan (batch bucket, padded prompt length, cache length).
+  Returns how many programs were new. A bandit's state is left untouched."""
+  check_attention_impl(attention_impl)
+  before = compiled_programs()
+  plan = plan_rollout(prompts, max_new_tokens, config, buckets, spec, eos_ids)
+  static = dict(config=config, sampling=sampling, eos_ids=plan.eos_ids,
+                max_new_tokens=plan.max_new_tokens, attention_impl=attention_impl)
+  dtype = params["embed"].dtype
+  start = plan.batch
+  # Compaction can shrink the batch to any smaller bucket; SD runs once live rows fit the
+  # threshold, so in the buckets up to the threshold's (or only the start one, uncompacted).
+  batches = [b for b in buckets.batch_buckets if b <= start] if compact else [start]
+  spec_batches = []
+  if spec is not None:
+    spec_batches = [b for b in batches
+                    if not compact or b <= buckets.batch_bucket(min(spec.threshold, start))]
+  windows = lambda spec_or_none: [
+      None if w == plan.cache_len else w
+      for w in buckets.attention_windows(chunk_reach(1, chunk_steps, spec_or_none),
+                                         plan.cache_len)]
+
+  states = {start: decode.prefill(
+      params, jnp.zeros((start, plan.prompt_len), jnp.int32), jnp.ones((start,), jnp.int32),
+      jnp.zeros((start,), bool), jnp.ones((start,), jnp.int32),
+      init_cache(config, start, plan.cache_len, dtype), jax.random.key(0),
+      keep_hidden=spec is not None, rules=rules, **static)}
+  _compact_pairs(states, batches)
+  for b in batches:
+    for window in windows(None):
+      states[b] = decode.decode_chunk(params, states[b], chunk_steps=chunk_steps, window=window,
+                                      rules=rules, **static)
+
+  if spec_batches:
+    head = draft_head(params, config, spec.vocab_ids)
+    spec_states = {b: speculative.start_speculation(
+        params, spec.drafter, states.pop(b),   # donated
+        init_drafter_cache(config, b, plan.cache_len, dtype), config=config,
+        pend_width=speculative.pending_width(spec.strategies), attention_impl=attention_impl)
+        for b in spec_batches}
+    _compact_pairs(spec_states, spec_batches)
+    for b in spec_batches:
+      for window in windows(spec):
+        for strategy in spec.strategies:
+          spec_states[b] = speculative.spec_chunk(
+              params, spec.drafter, head, spec.vocab_ids, spec_states[b], strategy=strategy,
+              chunk_steps=chunk_steps, window=window, **static)
+    jax.block_until_ready(spec_states)
+  jax.block_until_ready(states)
+  return compiled_programs() - before
+
+
+def _compact_pairs(states: dict, sizes: list[int]) -> None:
+  """Runs compaction from every size to every smaller one (any drop in live rows can skip
+  buckets); fills `states` with a state of each size, all rows finished."""
+  for size in sorted(sizes, reverse=True):
+    for smaller in (s for s in sizes if s < size):
+      compacted = take_rows(states[size], jnp.zeros((smaller,), jnp.int32))
+      states.setdefault(smaller, compacted)
