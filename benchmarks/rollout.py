@@ -10,6 +10,10 @@ long-tailed by natural EOS and by per-row caps drawn from a Pareto law, as in RL
 where most responses end early and a few run to the limit): wall time plain vs adaptive SD
 (switched on for the tail), alternated the same way. Part 3 (--accept_prompts): accept
 length over a wider prompt set, no timing.
+
+Questions come from reasoning-gym (held-out seeds); `--write_questions=F` saves them and
+`--questions_json=F` reads them back, for a machine without reasoning-gym (the GPU check,
+benchmarks/gpu_check.sh).
 """
 from __future__ import annotations
 
@@ -24,9 +28,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.report import emit  # noqa: E402
 import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
+from experiments import cli  # noqa: E402
+from tlt_jax.errors import UserInputError  # noqa: E402
 
+_MODEL = flags.DEFINE_string("model", "smollm2", "Target: `smollm2` or a path (.gguf file, "
+                             "HF dir, converted checkpoint dir).")
 _DRAFTER = flags.DEFINE_string("drafter", "runs/drafter_smollm2", "Warmed-up drafter dir.")
+_QUESTIONS = flags.DEFINE_string(
+    "questions_json", None, "Read the benchmark's questions from this file (written by "
+    "--write_questions) instead of generating them with reasoning-gym.")
+_WRITE_QUESTIONS = flags.DEFINE_string(
+    "write_questions", None, "Write the questions the benchmark uses to this file and exit: "
+    "for a machine without reasoning-gym (--questions_json there).")
+_ATTENTION = flags.DEFINE_enum("attention_impl", "auto", ["auto", "reference", "pallas", "triton"],
+                               "Attention kernel (auto: Pallas on GPU, jnp elsewhere).")
 _BATCHES = flags.DEFINE_list("batches", ["1", "4", "16"], "Fixed batch sizes.")
 _TEMPERATURES = flags.DEFINE_list("temperatures", ["0", "1"], "Sampling temperatures.")
 _STRATEGIES = flags.DEFINE_list("strategies", ["4_1_5", "6_2_8", "8_4_16"],
@@ -85,11 +101,42 @@ def _tail_share(stats: dict, threshold: int) -> float:
   return (total - tail_from) / total
 
 
+_MAIN_TASKS = ["gsm_symbolic", "basic_arithmetic", "chain_sum"]
+_ACCEPT_TASKS = _MAIN_TASKS + ["leg_counting", "simple_equations", "letter_counting"]
+
+
+def _questions() -> dict:
+  """{"main": questions of parts 1-2, "accept": part 3's}: from --questions_json, or made
+  with reasoning-gym (seeds held out from drafter training)."""
+  need = {"main": max(64, _TAIL_ROWS.value), "accept": _ACCEPT_PROMPTS.value}
+  if _QUESTIONS.value:
+    path = _QUESTIONS.value
+    try:
+      with open(path) as f:
+        questions = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+      raise UserInputError(f"--questions_json={path}: cannot read ({e})") from None
+    for part, count in need.items():
+      got = questions.get(part) if isinstance(questions, dict) else None
+      if not isinstance(got, list) or not all(isinstance(q, str) for q in got):
+        raise UserInputError(f"--questions_json={path}: needs a list of strings under {part!r} "
+                             "(write one with --write_questions)")
+      if len(got) < count:
+        raise UserInputError(f"--questions_json={path}: {len(got)} {part!r} questions, these "
+                             f"flags need {count}")
+    return questions
+  from tlt_jax.data.tasks import build_questions
+  made = lambda tasks, count, seed: [q for _, q in build_questions(tasks, count, seed)]
+  return {"main": made(_MAIN_TASKS, need["main"], _SEED.value),
+          "accept": made(_ACCEPT_TASKS, need["accept"], _SEED.value + 1) if need["accept"]
+          else []}
+
+
 def main(argv):
   del argv
+  import jax
   import jax.numpy as jnp
 
-  from tlt_jax.data.tasks import build_questions
   from tlt_jax.drafter.trainer import load_drafter
   from tlt_jax.models.loading import load_model
   from tlt_jax.rollout.engine import SpecConfig, generate
@@ -97,14 +144,17 @@ def main(argv):
   from tlt_jax.rollout.sampling import SamplingParams
   from tlt_jax.rollout.bandit import BanditConfig, StrategyBandit, parse_strategies
 
-  model = load_model("smollm2", dtype=jnp.float32)
+  questions = _questions()
+  if _WRITE_QUESTIONS.value:
+    cli.write_json_atomic(_WRITE_QUESTIONS.value, questions)
+    log(f"wrote {_WRITE_QUESTIONS.value}")
+    return
+  model = load_model(_MODEL.value, dtype=jnp.float32)
   tokenizer = model.tokenizer
   drafter, vocab_ids = load_drafter(_DRAFTER.value, model.config)
   vocab_ids = None if vocab_ids is None else jnp.asarray(vocab_ids)
   eos = tuple(tokenizer.eos_token_ids)
-  tasks = ["gsm_symbolic", "basic_arithmetic", "chain_sum"]
-  questions = [q for _, q in build_questions(tasks, max(64, _TAIL_ROWS.value), _SEED.value)]
-  prompts = [tokenizer.chat_prompt(q) for q in questions]
+  prompts = [tokenizer.chat_prompt(q) for q in questions["main"]]
 
   def spec_for(strategy, threshold, patience, flag):
     strategies = parse_strategies(strategy, flag)
@@ -116,7 +166,8 @@ def main(argv):
   def timed(batch_prompts, sampling, spec, max_new, seed):
     start = time.perf_counter()
     result = generate(model.params, model.config, batch_prompts, max_new_tokens=max_new,
-                      sampling=sampling, eos_ids=eos, seed=seed, spec=spec)
+                      sampling=sampling, eos_ids=eos, seed=seed, spec=spec,
+                      attention_impl=_ATTENTION.value)
     return time.perf_counter() - start, result
 
   def timed_one_by_one(batch_prompts, sampling, spec, max_new, seed):
@@ -153,7 +204,8 @@ def main(argv):
       out["verify_steps"] = runs[-1][1].stats["spec/verify_steps"]
     return out
 
-  report = {"model": "SmolLM2-135M-Instruct (fp32, CPU)", "drafter": _DRAFTER.value,
+  report = {"model": f"{_MODEL.value} (fp32, {jax.default_backend()})",
+            "attention_impl": _ATTENTION.value, "drafter": _DRAFTER.value,
             "draft_vocab": None if vocab_ids is None else int(vocab_ids.shape[0]),
             "fixed": [], "long_tail": None, "accept": []}
   if not _SKIP_FIXED.value:
@@ -191,7 +243,7 @@ def main(argv):
     precompile_start = time.perf_counter()
     precompiled = {side: precompile(model.params, model.config, tail_prompts,
                                     max_new_tokens=caps, sampling=sampling, eos_ids=eos,
-                                    spec=spec)
+                                    spec=spec, attention_impl=_ATTENTION.value)
                    for side, spec in (("plain", None), ("adaptive_sd", tail_spec))}
     log(f"precompiled {precompiled} programs in {time.perf_counter() - precompile_start:.0f}s")
     plain, sd = alternate(tail_prompts, sampling, tail_spec, caps, _TAIL_REPEATS.value)
@@ -218,19 +270,18 @@ def main(argv):
         "live_rows_sd": sd[-1][1].stats["rollout/live_rows"],
     }
   if _ACCEPT_PROMPTS.value:
-    accept_tasks = tasks + ["leg_counting", "simple_equations", "letter_counting"]
-    accept_prompts = [tokenizer.chat_prompt(q) for _, q in
-                      build_questions(accept_tasks, _ACCEPT_PROMPTS.value, _SEED.value + 1)]
+    accept_prompts = [tokenizer.chat_prompt(q)
+                      for q in questions["accept"][:_ACCEPT_PROMPTS.value]]
     for temperature in (float(t) for t in _TEMPERATURES.value):
       for strategy in _ACCEPT_STRATEGIES.value:
         log(f"accept T={temperature} strategy={strategy}")
         result = generate(model.params, model.config, accept_prompts,
                           max_new_tokens=_NEW_TOKENS.value,
                           sampling=SamplingParams(temperature=temperature), eos_ids=eos,
-                          seed=1,
+                          seed=1, attention_impl=_ATTENTION.value,
                           spec=spec_for(strategy, len(accept_prompts), 0, "--accept_strategies"))
         entry = {"temperature": temperature, "strategy": strategy,
-                 "prompts": len(accept_prompts), "tasks": accept_tasks,
+                 "prompts": len(accept_prompts), "tasks": _ACCEPT_TASKS,
                  "accept_len": result.stats["spec/accept_len"],
                  "verify_steps": result.stats["spec/verify_steps"],
                  "generated_tokens": result.stats["generated_tokens"]}
@@ -240,4 +291,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

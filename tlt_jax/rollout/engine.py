@@ -93,7 +93,7 @@ def take_rows(state, rows: jax.Array):
   return jax.tree.map(take, state, is_leaf=lambda x: isinstance(x, KVCache))
 
 
-_PROGRAMS = (decode.prefill, decode.decode_chunk, speculative.start_speculation,
+_PROGRAMS = (decode.prefill, decode.decode_chunk, speculative.speculation_prefill,
              speculative.spec_chunk, take_rows)
 
 
@@ -168,7 +168,8 @@ def _row_caps(prompts, max_new_tokens, config) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutPlan:
-  """The static shapes of one rollout: what keys its programs."""
+  """The shapes that key a rollout's programs: rollouts with equal plans (and equal other
+  arguments) share every program."""
   caps: tuple[int, ...]        # each row's token budget
   batch: int                   # starting batch bucket
   prompt_len: int              # padded prompt length
@@ -183,6 +184,7 @@ class RolloutPlan:
 def plan_rollout(prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
                  config: ModelConfig, buckets: BucketSpec, spec: SpecConfig | None,
                  eos_ids: Sequence[int]) -> RolloutPlan:
+  """Validates the prompts and caps, and derives the shapes every program is built for."""
   caps = _row_caps(prompts, max_new_tokens, config)
   prompt_len = buckets.prompt_length(max(len(p) for p in prompts))
   margin = speculative.cache_margin(spec.strategies) if spec else 0
