@@ -217,6 +217,17 @@ def chunk_window(longest_live: int, chunk_steps: int, spec: SpecConfig | None,
   return None if window == plan.cache_len else window
 
 
+def switch_to_speculation(params: Params, config: ModelConfig, spec: SpecConfig,
+                          state: decode.DecodeState, plan: RolloutPlan,
+                          attention_impl: str) -> speculative.SpecState:
+  """A fresh drafter cache, prefilled over every row's context (`state` is donated)."""
+  draft_cache = init_drafter_cache(config, state.done.shape[0], plan.cache_len,
+                                   params["embed"].dtype)
+  return speculative.start_speculation(
+      params, spec.drafter, state, draft_cache, config=config,
+      pend_width=speculative.pending_width(spec.strategies), attention_impl=attention_impl)
+
+
 def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int]], *,
              max_new_tokens: int | Sequence[int], sampling: SamplingParams = SamplingParams(),
              eos_ids: Sequence[int] = (), seed: int = 0, buckets: BucketSpec = BucketSpec(),
@@ -287,11 +298,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
       if live_rows <= spec.threshold and steps_below >= spec.patience:
         spec_on_at = time.perf_counter() - start
         head = draft_head(params, config, spec.vocab_ids)
-        state = speculative.start_speculation(
-            params, spec.drafter, state,
-            init_drafter_cache(config, state.done.shape[0], cache_len, dtype),
-            config=config, pend_width=speculative.pending_width(spec.strategies),
-            attention_impl=attention_impl)
+        state = switch_to_speculation(params, config, spec, state, plan, attention_impl)
     chunk_start_generated = generated
     speculating = isinstance(state, speculative.SpecState)
     window = chunk_window(longest_live, chunk_steps, spec if speculating else None, plan,

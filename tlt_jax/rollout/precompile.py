@@ -15,13 +15,14 @@ import jax
 import jax.numpy as jnp
 
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.drafter import draft_head, init_drafter_cache
+from tlt_jax.models.drafter import draft_head
 from tlt_jax.models.kv_cache import init_cache
 from tlt_jax.models.transformer import Params
 from tlt_jax.rollout import decode, speculative
 from tlt_jax.rollout.buckets import BucketSpec
 from tlt_jax.rollout.engine import (SpecConfig, check_attention_impl, chunk_reach,
-                                    compiled_programs, plan_rollout, take_rows)
+                                    compiled_programs, plan_rollout, switch_to_speculation,
+                                    take_rows)
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.sharding.rules import MeshRules
 
@@ -67,11 +68,9 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
 
   if spec_batches:
     head = draft_head(params, config, spec.vocab_ids)
-    spec_states = {b: speculative.start_speculation(
-        params, spec.drafter, states.pop(b),   # donated
-        init_drafter_cache(config, b, plan.cache_len, dtype), config=config,
-        pend_width=speculative.pending_width(spec.strategies), attention_impl=attention_impl)
-        for b in spec_batches}
+    spec_states = {b: switch_to_speculation(params, config, spec, states.pop(b), plan,
+                                            attention_impl)
+                   for b in spec_batches}
     _compact_pairs(spec_states, spec_batches)
     for b in spec_batches:
       for window in windows(spec):
