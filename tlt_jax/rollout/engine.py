@@ -93,7 +93,7 @@ def take_rows(state, rows: jax.Array):
   return jax.tree.map(take, state, is_leaf=lambda x: isinstance(x, KVCache))
 
 
-_PROGRAMS = (decode.prefill, decode.decode_chunk, speculative.speculation_prefill,
+_PROGRAMS = (decode.prefill, decode.decode_chunk, speculative.start_speculation,
              speculative.spec_chunk, take_rows)
 
 

@@ -65,42 +65,29 @@ def cache_margin(strategies: Sequence[SpecStrategy]) -> int:
   return max(max(s.verify_tokens, s.num_nodes + width) for s in strategies)
 
 
+@functools.partial(jax.jit, static_argnames=("config", "pend_width", "attention_impl"),
+                   donate_argnames=("base", "draft_cache"))
 def start_speculation(params: Params, drafter: DrafterParams, base: DecodeState,
                       draft_cache: KVCache, *, config: ModelConfig,
                       pend_width: int, attention_impl: str = "auto") -> SpecState:
   """Drafter prefill over each row's existing context (slots 0..L-2), leaving the pair
-  (h_{L-1}, x_L) pending. pend_width: `pending_width` of the strategies the rollout uses.
-
-  `base` and `draft_cache` are donated. The kept tokens and hidden states are read for the
-  last time here (speculation runs without them) and go in undonated: they have no output
-  to be reused for."""
-  return speculation_prefill(params, drafter, base.replace(history=None, hidden_buf=None),
-                             base.history, base.hidden_buf, draft_cache, config=config,
-                             pend_width=pend_width, attention_impl=attention_impl)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "pend_width", "attention_impl"),
-                   donate_argnames=("base", "draft_cache"))
-def speculation_prefill(params: Params, drafter: DrafterParams, base: DecodeState,
-                        history: jax.Array, hidden_buf: jax.Array, draft_cache: KVCache, *,
-                        config: ModelConfig, pend_width: int,
-                        attention_impl: str = "auto") -> SpecState:
-  """`start_speculation`'s program; `base` comes without its history and hidden states."""
+  (h_{L-1}, x_L) pending. pend_width: `pending_width` of the strategies the rollout uses."""
   lengths = base.cache.lengths
-  b, s = history.shape
-  tokens = jnp.concatenate([history[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
+  b, s = base.history.shape
+  tokens = jnp.concatenate([base.history[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
   positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-  _, draft_cache = drafter_forward(drafter, params, config, tokens, hidden_buf, positions,
+  _, draft_cache = drafter_forward(drafter, params, config, tokens, base.hidden_buf, positions,
                                    draft_cache.replace(lengths=jnp.zeros_like(lengths)),
                                    attention_impl=attention_impl)
   rows = jnp.arange(b)
   pend_tokens = jnp.zeros((b, pend_width), jnp.int32).at[:, 0].set(base.last_tokens)
-  pend_hidden = jnp.zeros((b, pend_width, config.hidden_size), hidden_buf.dtype)
-  pend_hidden = pend_hidden.at[:, 0].set(hidden_buf[rows, lengths - 1])
+  pend_hidden = jnp.zeros((b, pend_width, config.hidden_size), base.hidden_buf.dtype)
+  pend_hidden = pend_hidden.at[:, 0].set(base.hidden_buf[rows, lengths - 1])
   zeros = jnp.zeros((b,), jnp.int32)
-  # Recording tokens and hidden states on in the SD loop would cost a copy of loop state
-  # per step (~10 ms of a 36 ms depth-1 step on CPU, measured), so speculation runs
-  # without them.
+  # The kept tokens and hidden states have served their one purpose (this drafter prefill).
+  # Recording them on in the SD loop costs a copy of loop state per step (~10 ms of a 36 ms
+  # depth-1 step on CPU, measured), so speculation runs without them.
+  base = base.replace(history=None, hidden_buf=None)
   return SpecState(base=base, draft_cache=draft_cache.replace(lengths=lengths - 1),
                    pend_tokens=pend_tokens, pend_hidden=pend_hidden,
                    pend_count=jnp.ones((b,), jnp.int32), spec_steps=zeros, spec_tokens=zeros)
