@@ -1,9 +1,18 @@
-"""precompile enumerates attention windows exactly as the engine picks them. (The end-to-end
-check, a rollout after `--precompile` compiling nothing, runs in its own process in
-tests/test_generate_sd_cli.py: tens of extra programs compiled inside the shared pytest
-process preceded an XLA CPU compiler segfault later in the suite.)"""
+"""precompile builds the whole program pool: the rollouts that follow compile nothing, even
+when a bandit tries strategies it has never played and compaction skips buckets.
+
+The rollout check runs in its own Python process: tens of extra programs compiled inside
+the shared pytest process preceded an XLA CPU compiler segfault later in the suite."""
+import os
+import subprocess
+import sys
+
+import pytest
+
 from tlt_jax.rollout.buckets import BucketSpec
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A small cache page: rollouts of ~60 tokens cross several attention windows.
 BUCKETS = BucketSpec(cache_page=16, prompt_page=8)
 
 
@@ -12,3 +21,65 @@ def test_attention_windows_cover_every_window_the_engine_picks():
     for low in (n for n in (1, 9, 17, 100) if n <= cache_len):
       want = sorted({BUCKETS.attention_window(n, cache_len) for n in range(low, cache_len + 1)})
       assert BUCKETS.attention_windows(low, cache_len) == want
+
+
+def check_rollouts_after_precompile_compile_nothing(use_spec: bool) -> None:
+  """The check itself; `test_rollouts_after_precompile_compile_nothing` runs it apart."""
+  import jax
+  import numpy as np
+
+  from tlt_jax.models import drafter as drafter_lib
+  from tlt_jax.models import transformer
+  from tlt_jax.models.config import ModelConfig
+  from tlt_jax.rollout.bandit import BanditConfig, StrategyBandit, parse_strategies
+  from tlt_jax.rollout.engine import SpecConfig, generate, plan_rollout
+  from tlt_jax.rollout.precompile import precompile
+  from tlt_jax.rollout.sampling import SamplingParams
+
+  config = ModelConfig(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=64,
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                       max_position_embeddings=512)
+  params = transformer.init_params(config, jax.random.key(0))
+  prompts_of = lambda lengths, seed: [
+      np.random.RandomState(seed).randint(0, config.vocab_size, n).tolist() for n in lengths]
+  spec = None
+  if use_spec:
+    # epsilon=1: each chunk plays a random strategy, so every one of them comes up.
+    bandit = StrategyBandit(BanditConfig(parse_strategies("2_1_3,3_2_5"), epsilon=1.0, seed=3))
+    spec = SpecConfig(drafter=drafter_lib.init_drafter_params(config, jax.random.key(1)),
+                      bandit=bandit, threshold=4, patience=1)
+  kwargs = dict(max_new_tokens=[60, 5, 40, 9, 2, 33, 12, 60, 20],
+                sampling=SamplingParams(temperature=0.0), eos_ids=(7,), buckets=BUCKETS,
+                chunk_steps=3, spec=spec)
+  prompts = prompts_of((5, 9, 3, 12, 7, 4, 6, 8, 10), seed=0)
+  assert precompile(params, config, prompts, **kwargs) > 0
+  if use_spec:
+    assert spec.bandit.summary() == StrategyBandit(spec.bandit.config).summary()  # untouched
+  assert precompile(params, config, prompts, **kwargs) == 0
+  plan = plan_rollout(prompts, kwargs["max_new_tokens"], config, BUCKETS, spec, (7,))
+  strategies_played = set()
+  for seed in range(3):
+    # Other prompts with the same plan: the longest (12) still pads to 16, and the longest
+    # row (prompt + cap) is still 8 + 60 tokens.
+    lengths = np.random.RandomState(seed).randint(1, 9, 9)
+    lengths[3], lengths[7] = 12, 8
+    others = prompts_of(lengths, seed=10 + seed)
+    assert plan_rollout(others, kwargs["max_new_tokens"], config, BUCKETS, spec, (7,)) == plan
+    result = generate(params, config, others, seed=seed, **kwargs)
+    assert result.stats["compile/new_programs"] == 0, (seed, result.stats)
+    assert len(result.stats["rollout/batch_buckets"]) >= 2       # compaction happened
+    if use_spec:
+      assert result.stats["spec/verify_steps"] > 0
+      strategies_played.update(result.stats["spec/strategy_chunks"])
+  if use_spec:
+    assert strategies_played == {"2_1_3", "3_2_5"}
+
+
+@pytest.mark.parametrize("use_spec", [False, True])
+def test_rollouts_after_precompile_compile_nothing(use_spec):
+  code = ("from tests.test_precompile import check_rollouts_after_precompile_compile_nothing "
+          f"as check; check({use_spec})")
+  env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                        text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-4000:]
