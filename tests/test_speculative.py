@@ -119,6 +119,16 @@ def test_programs_are_reused_after_warm_up():
   assert again.stats["compile/programs"] > 0
 
 
+@pytest.mark.filterwarnings("error::UserWarning")
+def test_switching_to_speculation_warns_nothing():
+  """The drafter prefill drops the kept context by design; users see no warning for it."""
+  config, params, drafter = _model(5, seed=7)   # a vocabulary no other test compiles for
+  spec = SpecConfig(drafter=drafter, strategy=SpecStrategy(2, 1, 3), threshold=4, patience=0)
+  result = generate(params, config, _prompts(5, (4, 6)), max_new_tokens=6, sampling=GREEDY,
+                    spec=spec)
+  assert result.stats["compile/new_programs"] > 0 and result.stats["spec/verify_steps"] > 0
+
+
 def _first_tokens(params, config, spec, seed, sampling, rows=256, n=3):
   result = generate(params, config, [[1, 2, 3]] * rows, max_new_tokens=n, sampling=sampling,
                     seed=seed, spec=spec)

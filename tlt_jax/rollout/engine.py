@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+import warnings
 from typing import Sequence
 
 import jax
@@ -223,9 +224,14 @@ def switch_to_speculation(params: Params, config: ModelConfig, spec: SpecConfig,
   """A fresh drafter cache, prefilled over every row's context (`state` is donated)."""
   draft_cache = init_drafter_cache(config, state.done.shape[0], plan.cache_len,
                                    params["embed"].dtype)
-  return speculative.start_speculation(
-      params, spec.drafter, state, draft_cache, config=config,
-      pend_width=speculative.pending_width(spec.strategies), attention_impl=attention_impl)
+  with warnings.catch_warnings():
+    # The kept tokens and hidden states are donated with the state and dropped by design
+    # (speculation runs without them), so no output can reuse them: JAX's warning about
+    # that is expected here. Donating them apart instead crashed XLA's CPU compiler.
+    warnings.filterwarnings("ignore", "Some donated buffers were not usable", UserWarning)
+    return speculative.start_speculation(
+        params, spec.drafter, state, draft_cache, config=config,
+        pend_width=speculative.pending_width(spec.strategies), attention_impl=attention_impl)
 
 
 def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int]], *,
