@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.kv_cache import KVCache
-from tlt_jax.models.transformer import Params, forward, lm_logits
+from tlt_jax.models.transformer import Params, forward, forward_new_kv, lm_logits
 from tlt_jax.rollout.sampling import SamplingParams, policy_logprobs, sample
 from tlt_jax.sharding.rules import MeshRules
 
@@ -80,11 +80,16 @@ def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, live: jax.Arr
             sampling: SamplingParams,
             eos_ids: tuple[int, ...], max_new_tokens: int, keep_hidden: bool = False,
             rules: MeshRules | None = None, attention_impl: str = "auto") -> DecodeState:
-  """Runs right-padded prompts [B, T] (true lengths [B]) and emits the first token; row b
-  stops after caps[b] tokens (<= max_new_tokens, the width of the output buffers)."""
+  """Runs right-padded prompts [B, T] (true lengths [B]) into an empty `cache` and emits
+  the first token; row b stops after caps[b] tokens (<= max_new_tokens, the width of the
+  output buffers)."""
   b, t = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  hidden, cache = forward(params, config, tokens, positions, cache, None, rules, attention_impl)
+  # The prompt attends to itself alone: scoring it against every (empty, masked) cache slot
+  # as well took a third of a 16-row, 192-token prefill with a 1024-slot cache on CPU.
+  hidden, new_k, new_v = forward_new_kv(params, config, tokens, positions, cache.window(0),
+                                        None, rules, attention_impl)
+  cache = cache.write_after_committed(new_k, new_v)
   last_hidden = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
   key, sub = jax.random.split(key)
   first, first_logprob = sample_and_score(sub, lm_logits(params, config, last_hidden, rules),
