@@ -62,3 +62,24 @@ def test_windowed_decode_matches_cacheless_greedy(strategy):
     tokens, logprobs = _greedy_without_cache(params, prompt, 45)
     assert out.token_ids == tokens
     np.testing.assert_allclose(out.logprobs, logprobs, atol=1e-5)
+
+
+def test_prefill_groups_pad_only_to_their_own_longest_prompt():
+  """Prompts are prefilled longest first in groups, each padded to its own longest prompt:
+  same tokens as a cacheless reference, and one prefill program per group width."""
+  from tlt_jax.rollout import decode
+  params = transformer.init_params(CONFIG, jax.random.key(5))
+  rng = np.random.RandomState(1)
+  prompts = [rng.randint(0, CONFIG.vocab_size, n).tolist() for n in (2, 30, 5, 17, 9, 3, 25, 12)]
+  greedy = SamplingParams(temperature=0.0)
+  before = decode.prefill_rows._cache_size()
+  # Groups of 2 rows, longest first: (30, 25) -> 32, (17, 12) -> 24, (9, 5) -> 16, (3, 2) -> 8.
+  grouped = generate(params, CONFIG, prompts, max_new_tokens=6, sampling=greedy,
+                     buckets=BucketSpec(prompt_page=8, prefill_groups=4))
+  assert decode.prefill_rows._cache_size() - before == 4
+  whole = generate(params, CONFIG, prompts, max_new_tokens=6, sampling=greedy,
+                   buckets=BucketSpec(prompt_page=8, prefill_groups=1))
+  for prompt, a, b in zip(prompts, grouped.outputs, whole.outputs):
+    tokens, logprobs = _greedy_without_cache(params, prompt, 6)
+    assert a.token_ids == b.token_ids == tokens
+    np.testing.assert_allclose(a.logprobs, logprobs, atol=1e-5)

@@ -15,6 +15,14 @@ class BucketSpec:
   batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
   cache_page: int = 128       # cache lengths are multiples of this
   prompt_page: int = 32       # padded prompt lengths are multiples of this
+  # Prompts are prefilled longest first in up to this many groups of equal rows, each
+  # padded to its own longest prompt (64 reasoning prompts of 49-170 tokens on a 2-core
+  # CPU: 12.1 s in one group, 5.3 s in 4, 4.6 s in 8, 4.2 s in 16).
+  prefill_groups: int = 8
+
+  def __post_init__(self):
+    if min(self.batch_buckets + (self.cache_page, self.prompt_page, self.prefill_groups)) < 1:
+      raise UserInputError(f"{self}: every bucket size and count must be >= 1")
 
   def batch_bucket(self, rows: int) -> int:
     for size in self.batch_buckets:
@@ -28,6 +36,14 @@ class BucketSpec:
 
   def prompt_length(self, tokens: int) -> int:
     return round_up(tokens, self.prompt_page)
+
+  def prompt_lengths(self, longest: int) -> list[int]:
+    """Every padded prompt length up to `longest`'s (a prefill group's can be any)."""
+    return list(range(self.prompt_page, self.prompt_length(longest) + 1, self.prompt_page))
+
+  def prefill_group_rows(self, batch: int) -> int:
+    groups = min(self.prefill_groups, batch)
+    return batch // groups if batch % groups == 0 else batch
 
   def attention_window(self, tokens: int, cache_length: int) -> int:
     """The cache prefix a decode chunk attends over to reach `tokens`: a page times a power

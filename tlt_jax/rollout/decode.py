@@ -35,11 +35,13 @@ class DecodeState:
   history: jax.Array | None = None
   hidden_buf: jax.Array | None = None
 
-  def record(self, positions: jax.Array, tokens: jax.Array, hidden: jax.Array) -> "DecodeState":
-    """Stores tokens [B, T] and their hidden states [B, T, E] at positions [B, T]."""
+  def record(self, positions: jax.Array, tokens: jax.Array, hidden: jax.Array,
+             rows: jax.Array | None = None) -> "DecodeState":
+    """Stores tokens [R, T] and their hidden states [R, T, E] at positions [R, T] of `rows`
+    [R] (default: every row)."""
     if self.history is None:
       return self
-    rows = jnp.arange(tokens.shape[0])[:, None]
+    rows = (jnp.arange(tokens.shape[0]) if rows is None else rows)[:, None]
     return self.replace(
         history=self.history.at[rows, positions].set(tokens, mode="drop"),
         hidden_buf=self.hidden_buf.at[rows, positions].set(
@@ -72,42 +74,65 @@ def sample_and_score(key, logits, sampling):
   return tokens, logprobs[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("config", "sampling", "eos_ids", "max_new_tokens",
-                                             "keep_hidden", "rules", "attention_impl"),
-                   donate_argnames=("cache",))
-def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, live: jax.Array,
-            caps: jax.Array, cache: KVCache, key: jax.Array, *, config: ModelConfig,
-            sampling: SamplingParams,
-            eos_ids: tuple[int, ...], max_new_tokens: int, keep_hidden: bool = False,
-            rules: MeshRules | None = None, attention_impl: str = "auto") -> DecodeState:
-  """Runs right-padded prompts [B, T] (true lengths [B]) into an empty `cache` and emits
-  the first token; row b stops after caps[b] tokens (<= max_new_tokens, the width of the
-  output buffers)."""
-  b, t = tokens.shape
-  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  # The prompt attends to itself alone: scoring it against every (empty, masked) cache slot
-  # as well took a third of a 16-row, 192-token prefill with a 1024-slot cache on CPU.
-  hidden, new_k, new_v = forward_new_kv(params, config, tokens, positions, cache.window(0),
-                                        None, rules, attention_impl)
-  cache = cache.write_after_committed(new_k, new_v)
-  last_hidden = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
-  key, sub = jax.random.split(key)
-  first, first_logprob = sample_and_score(sub, lm_logits(params, config, last_hidden, rules),
-                                           sampling)
-  state = DecodeState(
-      cache=cache.replace(lengths=lengths.astype(jnp.int32)),
-      last_tokens=first,
+def empty_state(cache: KVCache, caps: jax.Array, live: jax.Array, key: jax.Array, *,
+                max_new_tokens: int, keep_hidden: bool = False, hidden_size: int = 0,
+                ) -> DecodeState:
+  """The state before prefill: an empty `cache`, nothing emitted, dead rows (live=False)
+  already done; keep_hidden adds the token/hidden-state record a drafter needs."""
+  b, max_len = cache.batch_size, cache.max_len
+  return DecodeState(
+      cache=cache,
+      last_tokens=jnp.zeros((b,), jnp.int32),
       num_generated=jnp.zeros((b,), jnp.int32),
       done=~live,
       caps=caps.astype(jnp.int32),
       out_tokens=jnp.zeros((b, max_new_tokens), jnp.int32),
       out_logprobs=jnp.zeros((b, max_new_tokens), jnp.float32),
       key=key,
-      history=jnp.zeros((b, cache.max_len), jnp.int32) if keep_hidden else None,
-      hidden_buf=(jnp.zeros((b, cache.max_len, config.hidden_size), hidden.dtype)
-                  if keep_hidden else None))
-  state = state.record(positions, tokens, hidden)
-  return emit(state, first, first_logprob, live, eos_ids, max_new_tokens)
+      history=jnp.zeros((b, max_len), jnp.int32) if keep_hidden else None,
+      hidden_buf=(jnp.zeros((b, max_len, hidden_size), cache.k.dtype) if keep_hidden
+                  else None))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "sampling", "eos_ids", "max_new_tokens",
+                                             "rules", "attention_impl"),
+                   donate_argnames=("state",))
+def prefill_rows(params: Params, state: DecodeState, tokens: jax.Array, lengths: jax.Array,
+                 row_start: jax.Array, *, config: ModelConfig, sampling: SamplingParams,
+                 eos_ids: tuple[int, ...], max_new_tokens: int,
+                 rules: MeshRules | None = None, attention_impl: str = "auto") -> DecodeState:
+  """Runs the right-padded prompts [G, T] (true lengths [G]) of rows row_start..+G, whose
+  cache rows are empty, and emits their first tokens (rows already done emit nothing).
+
+  A batch is prefilled in groups of rows of similar prompt length, each padded only to its
+  own longest prompt; one program per (G, T) serves every group of that shape."""
+  g, t = tokens.shape
+  rows = row_start + jnp.arange(g)
+  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (g, t))
+  cache = state.cache
+  # The prompt attends to itself alone: scoring it against every (empty, masked) cache slot
+  # as well took a third of a 16-row, 192-token prefill with a 1024-slot cache on CPU.
+  nothing = jnp.zeros(cache.k.shape[:1] + (g,) + cache.k.shape[2:3] + (0,) + cache.k.shape[4:],
+                      cache.k.dtype)
+  hidden, new_k, new_v = forward_new_kv(
+      params, config, tokens, positions,
+      KVCache(k=nothing, v=nothing, lengths=jnp.zeros((g,), jnp.int32)), None, rules,
+      attention_impl)
+  # new K/V [L, G, T, K, D] into cache rows row_start.. at slots 0..T-1 ([L, B, K, S, D]).
+  put = lambda buf, new: jax.lax.dynamic_update_slice(
+      buf, new.transpose(0, 1, 3, 2, 4).astype(buf.dtype), (0, row_start, 0, 0, 0))
+  cache = cache.replace(k=put(cache.k, new_k), v=put(cache.v, new_v),
+                        lengths=jax.lax.dynamic_update_slice(
+                            cache.lengths, lengths.astype(jnp.int32), (row_start,)))
+  last_hidden = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+  key, sub = jax.random.split(state.key)
+  first, first_logprob = sample_and_score(sub, lm_logits(params, config, last_hidden, rules),
+                                           sampling)
+  state = state.replace(cache=cache, key=key).record(positions, tokens, hidden, rows)
+  in_group = jnp.zeros(state.done.shape, bool).at[rows].set(True)
+  return emit(state, state.last_tokens.at[rows].set(first),
+              jnp.zeros(state.done.shape, jnp.float32).at[rows].set(first_logprob),
+              in_group & ~state.done, eos_ids, max_new_tokens)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "sampling", "eos_ids", "max_new_tokens",

@@ -94,7 +94,7 @@ def take_rows(state, rows: jax.Array):
   return jax.tree.map(take, state, is_leaf=lambda x: isinstance(x, KVCache))
 
 
-_PROGRAMS = (decode.prefill, decode.decode_chunk, speculative.start_speculation,
+_PROGRAMS = (decode.prefill_rows, decode.decode_chunk, speculative.start_speculation,
              speculative.spec_chunk, take_rows)
 
 
@@ -196,6 +196,25 @@ def plan_rollout(prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequenc
                      eos_ids=tuple(sorted(set(int(e) for e in eos_ids))))
 
 
+def prefill(params: Params, tokens: np.ndarray, lengths: np.ndarray, live: np.ndarray,
+            caps: np.ndarray, cache: KVCache, key: jax.Array, *, buckets: BucketSpec,
+            keep_hidden: bool, rules: MeshRules | None, config: ModelConfig,
+            **static) -> decode.DecodeState:
+  """Prefills padded prompts whose rows are sorted longest first, group by group
+  (`BucketSpec.prefill_groups`), each group padded only to its own longest prompt."""
+  state = decode.empty_state(cache, jnp.asarray(caps), jnp.asarray(live), key,
+                             max_new_tokens=static["max_new_tokens"], keep_hidden=keep_hidden,
+                             hidden_size=config.hidden_size)
+  rows = buckets.prefill_group_rows(len(lengths))
+  for start in range(0, len(lengths), rows):
+    group = slice(start, start + rows)
+    width = buckets.prompt_length(int(lengths[group].max()))
+    state = decode.prefill_rows(params, state, jnp.asarray(tokens[group, :width]),
+                                jnp.asarray(lengths[group]), jnp.int32(start), config=config,
+                                rules=rules, **static)
+  return state
+
+
 def check_attention_impl(attention_impl: str) -> None:
   if attention_impl not in IMPLS:
     raise UserInputError(f"--attention_impl={attention_impl!r}: expected one of {', '.join(IMPLS)}")
@@ -252,17 +271,18 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
   tokens, lengths, live = pad_prompts(prompts, batch, prompt_len)
   row_caps = np.ones((batch,), np.int32)
   row_caps[:len(prompts)] = plan.caps
+  order = np.argsort(-lengths, kind="stable")     # longest prompts first: see `prefill`
+  tokens, lengths, live, row_caps = tokens[order], lengths[order], live[order], row_caps[order]
   static = dict(config=config, sampling=sampling, eos_ids=plan.eos_ids,
                 max_new_tokens=plan.max_new_tokens, attention_impl=attention_impl)
   dtype = params["embed"].dtype
   programs_before = compiled_programs()
 
   start = time.perf_counter()
-  state = decode.prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(live),
-                         jnp.asarray(row_caps), init_cache(config, batch, cache_len, dtype),
-                         jax.random.key(seed),
-                         keep_hidden=spec is not None, rules=rules, **static)
-  row_ids = np.where(live, np.arange(batch), -1)
+  state = prefill(params, tokens, lengths, live, row_caps,
+                  init_cache(config, batch, cache_len, dtype), jax.random.key(seed),
+                  buckets=buckets, keep_hidden=spec is not None, rules=rules, **static)
+  row_ids = np.where(live, order, -1)
   harvest = _Harvest(len(prompts))
   trace, spec_on_at, steps_below, chunk_start_generated = [], None, 0, 0
   plain_steps = 0

@@ -5,7 +5,7 @@ window, strategy) comes up. The first long-tail rollouts of a run, and every str
 bandit tries for the first time, would then pay compile time in the middle of decoding
 (and a bandit chunk that compiled is not scored). `precompile` enumerates every program
 that a `generate` call with the same arguments can dispatch and runs each once on rows
-that are all finished, so its loops exit at once: only the prefill does real work.
+that are all finished, so its loops exit at once: only the prefills do real work.
 """
 from __future__ import annotations
 
@@ -55,11 +55,16 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
       for w in buckets.attention_windows(chunk_reach(1, chunk_steps, spec_or_none),
                                          plan.cache_len)]
 
-  states = {start: decode.prefill(
-      params, jnp.zeros((start, plan.prompt_len), jnp.int32), jnp.ones((start,), jnp.int32),
-      jnp.zeros((start,), bool), jnp.ones((start,), jnp.int32),
-      init_cache(config, start, plan.cache_len, dtype), jax.random.key(0),
-      keep_hidden=spec is not None, rules=rules, **static)}
+  state = decode.empty_state(init_cache(config, start, plan.cache_len, dtype),
+                             jnp.ones((start,), jnp.int32), jnp.zeros((start,), bool),
+                             jax.random.key(0), max_new_tokens=plan.max_new_tokens,
+                             keep_hidden=spec is not None, hidden_size=config.hidden_size)
+  group_rows = buckets.prefill_group_rows(start)
+  for width in buckets.prompt_lengths(plan.prompt_len):   # any prefill group's padding
+    state = decode.prefill_rows(params, state, jnp.zeros((group_rows, width), jnp.int32),
+                                jnp.ones((group_rows,), jnp.int32), jnp.int32(0),
+                                rules=rules, **static)
+  states = {start: state}
   _compact_pairs(states, batches)
   for b in batches:
     for window in windows(None):
