@@ -112,12 +112,10 @@ def prefill_rows(params: Params, state: DecodeState, tokens: jax.Array, lengths:
   cache = state.cache
   # The prompt attends to itself alone: scoring it against every (empty, masked) cache slot
   # as well took a third of a 16-row, 192-token prefill with a 1024-slot cache on CPU.
-  nothing = jnp.zeros(cache.k.shape[:1] + (g,) + cache.k.shape[2:3] + (0,) + cache.k.shape[4:],
-                      cache.k.dtype)
-  hidden, new_k, new_v = forward_new_kv(
-      params, config, tokens, positions,
-      KVCache(k=nothing, v=nothing, lengths=jnp.zeros((g,), jnp.int32)), None, rules,
-      attention_impl)
+  empty = KVCache(k=cache.k[:, :g, :, :0], v=cache.v[:, :g, :, :0],
+                  lengths=jnp.zeros((g,), jnp.int32))
+  hidden, new_k, new_v = forward_new_kv(params, config, tokens, positions, empty, None, rules,
+                                        attention_impl)
   # new K/V [L, G, T, K, D] into cache rows row_start.. at slots 0..T-1 ([L, B, K, S, D]).
   put = lambda buf, new: jax.lax.dynamic_update_slice(
       buf, new.transpose(0, 1, 3, 2, 4).astype(buf.dtype), (0, row_start, 0, 0, 0))
