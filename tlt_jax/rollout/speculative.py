@@ -11,7 +11,8 @@ sampling (`acceptance.recursive_rejection`), so each emitted token is distribute
 as plain sampling from the processed target p. Compared with accepting a top-k child only
 when it equals the target's own draw, this accepts with min(1, p/q) per tried child: on
 SmolLM2 at T=1 with 4 children, 0.69 of first levels instead of 0.57 (measured with a
-warmed-up drafter).
+warmed-up drafter). Which drafts a sampled tree keeps may not depend on their drawn values
+(see `_propose`), so under sampling the tree's shape is fixed by draw ranks.
 
 State between steps (per row): the target cache holds committed tokens; the pending token
 x_L (emitted, not yet run) is `base.last_tokens`; the drafter cache holds slots 0..L-2 and
@@ -97,15 +98,22 @@ def _propose(key, logits, k, sampling):
   """Draft k candidates per row of logits [..., Vd]: (score of each, index, q or None).
 
   Greedy: the top k by log q. Sampling: k draws from the processed q without replacement,
-  in draw order (the order recursive rejection tries them); a candidate's score is the
-  smallest log q among it and the earlier draws, so scores never rise along the draw order
-  and any top-n selection by score keeps each node's children a prefix of its draws."""
+  in draw order (the order recursive rejection tries them).
+
+  Recursive rejection is exact only if the children it tries at a node are that node's
+  first draws, however those draws came out. Keeping some drafts by their drawn values (say
+  their q) would condition them on those values, and the emitted tokens would drift from
+  p (measurably, in a few thousand 3-token samples of a depth-2 tree). So a sampled
+  candidate's score is a fixed prior of its draw rank, -log(1 + rank): the tree's shape is
+  the same every step (first draws along the spine, later ones beside it) and the drafter
+  only fills it; within a node, scores fall along the draw order, so any top-n selection
+  keeps each node's children a prefix of its draws."""
   if sampling.greedy:
     scores, ix = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)
     return scores, ix, None
   logq = processed_logprobs(logits, sampling)
   _, ix = jax.lax.top_k(logq + jax.random.gumbel(key, logq.shape, jnp.float32), k)
-  scores = jax.lax.cummin(jnp.take_along_axis(logq, ix, axis=-1), axis=logq.ndim - 1)
+  scores = jnp.broadcast_to(-jnp.log1p(jnp.arange(k, dtype=jnp.float32)), ix.shape)
   return scores, ix, jnp.exp(logq)
 
 
