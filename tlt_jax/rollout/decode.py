@@ -75,7 +75,7 @@ def sample_and_score(key, logits, sampling):
 
 
 def empty_state(cache: KVCache, caps: jax.Array, live: jax.Array, key: jax.Array, *,
-                max_new_tokens: int, keep_hidden: bool = False, hidden_size: int = 0,
+                max_new_tokens: int, keep_hidden: bool, hidden_size: int,
                 ) -> DecodeState:
   """The state before prefill: an empty `cache`, nothing emitted, dead rows (live=False)
   already done; keep_hidden adds the token/hidden-state record a drafter needs."""
