@@ -207,11 +207,18 @@ def test_recursive_rejection_emits_p(temperature, top_p, q_kind, siblings):
     target = jnp.stack([p] + [p_child] * k + [p] * k)                       # grandchildren: leaves
     draft = jnp.stack([q] + [q_child] * k + [q] * k)
     num_nodes = 1 + 2 * k
-    num_accepted, _, emitted = recursive_rejection(
+    num_accepted, _, emitted, tries, accepts = recursive_rejection(
         k_rule, jnp.broadcast_to(target, (n, num_nodes, vocab)),
         jnp.broadcast_to(draft, (n, num_nodes, vocab)), tokens,
         jnp.broadcast_to(parents, (n, num_nodes)), depth=2, max_children=siblings)
     emitted, num_accepted = np.asarray(emitted), np.asarray(num_accepted)
+    tries, accepts = np.asarray(tries), np.asarray(accepts)
+    # The statistics that shape later trees: per level, the walk tries children in draw
+    # order until one is accepted, so each level records at most one accept, after a run of
+    # rejected tries.
+    assert np.all(accepts <= tries)
+    np.testing.assert_array_equal(accepts.sum(axis=2), num_accepted[:, None] > np.arange(2))
+    assert np.all(np.diff(tries, axis=2) <= 0)
     if q_kind == "equal_p":
       assert np.all(num_accepted == 2)             # q = p accepts every draw
     # The second token exists where the first was an accepted draft; it follows p_child.
@@ -304,3 +311,50 @@ def test_engine_switches_strategies_losslessly_within_its_programs():
   assert pulls > 0 and all(arm["median_tokens_per_s"] > 0
                            for arms in again.stats["spec/bandit"].values()
                            for arm in arms.values())
+
+
+def test_rank_scores_fall_along_the_draw_order():
+  """Children must stay a prefix of their draws, whatever the acceptance counts say."""
+  from tlt_jax.rollout.speculative import _rank_scores
+  tries = jnp.array([[[10.0, 10.0, 10.0]], [[10.0, 10.0, 10.0]]])
+  accepts = jnp.array([[[5.0, 2.0, 1.0]], [[1.0, 9.0, 9.0]]])   # row 2: rank 1 "better"
+  scores = np.asarray(_rank_scores(tries, accepts))
+  assert np.all(np.diff(scores, axis=-1) < 0)
+  # Row 1: reach factors a_0, (1 - a_0) a_1, (1 - a_0)(1 - a_1) a_2.
+  np.testing.assert_allclose(np.exp(scores[0, 0]), [0.5, 0.5 * 0.2, 0.5 * 0.8 * 0.1],
+                             rtol=1e-3)
+
+
+def _sampled_tree_depths(rate_first, rate_rest, strategy):
+  """Depths of the verified nodes of a sampled tree whose rows have seen their rank-0 draws
+  accepted at `rate_first` and later ranks at `rate_rest`, on every level."""
+  from tlt_jax.models.drafter import draft_head, init_drafter_cache
+  from tlt_jax.rollout import speculative
+  config, params, drafter = _model(50, seed=3)
+  b, width = 2, strategy.depth + 1
+  tries = jnp.full((b, strategy.depth, strategy.topk), 1000.0)
+  accepts = tries * jnp.array([rate_first] + [rate_rest] * (strategy.topk - 1))
+  cache = init_drafter_cache(config, b, 64).replace(lengths=jnp.full((b,), 4, jnp.int32))
+  zeros = jnp.zeros((b,), jnp.int32)
+  state = speculative.SpecState(
+      base=None, draft_cache=cache, pend_tokens=jnp.ones((b, width), jnp.int32),
+      pend_hidden=jax.random.normal(jax.random.key(0), (b, width, config.hidden_size)),
+      pend_count=zeros + 1, spec_steps=zeros, spec_tokens=zeros, rank_tries=tries,
+      rank_accepts=accepts)
+  grown = speculative._grow_tree(jax.random.key(1), params, drafter,
+                                 draft_head(params, config, None), None, config, strategy,
+                                 SamplingParams(temperature=1.0), "reference", state)
+  _, node_tokens, node_parents, node_scores, ancestors, _ = grown
+  _, depths, *_ = speculative._select_verify_set(strategy, node_tokens, node_parents,
+                                                 node_scores, ancestors, zeros)
+  return np.asarray(depths)
+
+
+def test_sampled_tree_shape_follows_the_rows_acceptance():
+  """A drafter whose first draw is usually right gets a deep spine; one that is rarely
+  right gets a wide, shallow tree (more of the first level's draws tried)."""
+  strategy = SpecStrategy(4, 3, 7)
+  deep = _sampled_tree_depths(0.9, 0.3, strategy)
+  wide = _sampled_tree_depths(0.1, 0.1, strategy)
+  assert np.all(deep.max(axis=1) == 4)
+  np.testing.assert_array_equal(np.sort(wide, axis=1), [[0, 1, 1, 1, 2, 2, 2]] * 2)

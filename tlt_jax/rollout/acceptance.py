@@ -28,7 +28,7 @@ def residual_probs(p: jax.Array, q: jax.Array) -> jax.Array:
 
 def recursive_rejection(key: jax.Array, target_probs: jax.Array, draft_probs: jax.Array,
                         tokens: jax.Array, parents: jax.Array, depth: int, max_children: int
-                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                        ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
   """Walks a verified tree from its root (verify index 0).
 
   target_probs [B, N, V]: p at each of the N verified nodes. draft_probs [B, N, V]: the q
@@ -39,7 +39,9 @@ def recursive_rejection(key: jax.Array, target_probs: jax.Array, draft_probs: ja
 
   Returns (drafted tokens accepted [B], verify index of the walk's node at each depth
   [B, depth + 1] (the last one repeated past the end), emitted tokens [B, depth + 1]:
-  the accepted drafts, then the token drawn at the node where the walk ended).
+  the accepted drafts, then the token drawn at the node where the walk ended, and how
+  often each child was tried and accepted by its level and place among its siblings (its
+  draw rank), [B, depth, max_children] each: the statistics that shape later trees.
   """
   b, n = tokens.shape
   rows = jnp.arange(b)
@@ -51,7 +53,7 @@ def recursive_rejection(key: jax.Array, target_probs: jax.Array, draft_probs: ja
   tried = jnp.zeros((b, n), bool)
   walking = jnp.ones((b,), bool)
   num_accepted = jnp.zeros((b,), jnp.int32)
-  path, emitted = [node], []
+  path, emitted, tries, accepts = [node], [], [], []
   for level in range(depth):
     moved = jnp.zeros((b,), bool)
     for i in range(max_children):
@@ -71,6 +73,8 @@ def recursive_rejection(key: jax.Array, target_probs: jax.Array, draft_probs: ja
       p = jnp.where(accept[:, None], target_probs[rows, child], p)
       q = jnp.where(accept[:, None], draft_probs[rows, child], q)
       moved = moved | accept
+      tries.append(trying)
+      accepts.append(accept)
     emitted.append(tokens[rows, node])
     walking = walking & moved
     num_accepted = num_accepted + moved
@@ -79,4 +83,6 @@ def recursive_rejection(key: jax.Array, target_probs: jax.Array, draft_probs: ja
   steps = jnp.arange(depth + 1)[None, :]
   drafted = jnp.stack(emitted + [last], axis=1)
   emitted = jnp.where(steps < num_accepted[:, None], drafted, last[:, None])
-  return num_accepted, jnp.stack(path, axis=1), emitted
+  by_rank = lambda flags: jnp.stack(flags, axis=1).reshape(b, depth, max_children)
+  return (num_accepted, jnp.stack(path, axis=1), emitted, by_rank(tries).astype(jnp.int32),
+          by_rank(accepts).astype(jnp.int32))

@@ -12,7 +12,8 @@ as plain sampling from the processed target p. Compared with accepting a top-k c
 when it equals the target's own draw, this accepts with min(1, p/q) per tried child: on
 SmolLM2 at T=1 with 4 children, 0.69 of first levels instead of 0.57 (measured with a
 warmed-up drafter). Which drafts a sampled tree keeps may not depend on their drawn values
-(see `_propose`), so under sampling the tree's shape is fixed by draw ranks.
+(see `_propose`), so under sampling the tree's shape is fixed before the step's draws:
+by each row's acceptance rates so far per level and draw rank (`_rank_scores`).
 
 State between steps (per row): the target cache holds committed tokens; the pending token
 x_L (emitted, not yet run) is `base.last_tokens`; the drafter cache holds slots 0..L-2 and
@@ -51,12 +52,26 @@ class SpecState:
   pend_count: jax.Array      # [B]
   spec_steps: jax.Array      # [B] verify steps taken while live
   spec_tokens: jax.Array     # [B] tokens emitted by those steps
+  # Sampled trees only: how often the walk tried / accepted a child, by its level and draw
+  # rank, [B, max depth, max topk], prior pseudo-counts included (see `_rank_scores`).
+  rank_tries: jax.Array
+  rank_accepts: jax.Array
 
 
 def pending_width(strategies: Sequence[SpecStrategy]) -> int:
   """Width of the pending (accepted, not yet drafted-on) pairs: the most any of the
   strategies a rollout may switch between can accept in one step, plus the bonus."""
   return max(s.depth for s in strategies) + 1
+
+
+def rank_stats_shape(strategies: Sequence[SpecStrategy]) -> tuple[int, int]:
+  """(levels, ranks) of the per-row acceptance statistics, wide enough for every strategy."""
+  return max(s.depth for s in strategies), max(s.topk for s in strategies)
+
+
+# Before any verify step, every draw is taken to be accepted half the times it is tried,
+# with the weight of two tries: a geometric prior the row's own counts soon outweigh.
+_PRIOR_TRIES, _PRIOR_ACCEPTS = 2.0, 1.0
 
 
 def cache_margin(strategies: Sequence[SpecStrategy]) -> int:
@@ -66,13 +81,15 @@ def cache_margin(strategies: Sequence[SpecStrategy]) -> int:
   return max(max(s.verify_tokens, s.num_nodes + width) for s in strategies)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "pend_width", "attention_impl"),
+@functools.partial(jax.jit, static_argnames=("config", "pend_width", "rank_shape",
+                                             "attention_impl"),
                    donate_argnames=("base", "draft_cache"))
 def start_speculation(params: Params, drafter: DrafterParams, base: DecodeState,
-                      draft_cache: KVCache, *, config: ModelConfig,
-                      pend_width: int, attention_impl: str = "auto") -> SpecState:
+                      draft_cache: KVCache, *, config: ModelConfig, pend_width: int,
+                      rank_shape: tuple[int, int], attention_impl: str = "auto") -> SpecState:
   """Drafter prefill over each row's existing context (slots 0..L-2), leaving the pair
-  (h_{L-1}, x_L) pending. pend_width: `pending_width` of the strategies the rollout uses."""
+  (h_{L-1}, x_L) pending. pend_width and rank_shape: `pending_width` and
+  `rank_stats_shape` of the strategies the rollout uses."""
   lengths = base.cache.lengths
   b, s = base.history.shape
   tokens = jnp.concatenate([base.history[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
@@ -91,30 +108,47 @@ def start_speculation(params: Params, drafter: DrafterParams, base: DecodeState,
   base = base.replace(history=None, hidden_buf=None)
   return SpecState(base=base, draft_cache=draft_cache.replace(lengths=lengths - 1),
                    pend_tokens=pend_tokens, pend_hidden=pend_hidden,
-                   pend_count=jnp.ones((b,), jnp.int32), spec_steps=zeros, spec_tokens=zeros)
+                   pend_count=jnp.ones((b,), jnp.int32), spec_steps=zeros, spec_tokens=zeros,
+                   rank_tries=jnp.full((b,) + rank_shape, _PRIOR_TRIES),
+                   rank_accepts=jnp.full((b,) + rank_shape, _PRIOR_ACCEPTS))
 
 
-def _propose(key, logits, k, sampling):
-  """Draft k candidates per row of logits [..., Vd]: (score of each, index, q or None).
+def _rank_scores(tries: jax.Array, accepts: jax.Array) -> jax.Array:
+  """Log-probability that the walk accepts a node's rank-r draw, given that it reached the
+  node, from each row's counts [B, levels, ranks]: a_r (prod over j < r of 1 - a_j), a_r
+  the rank's acceptance rate once the draws before it were rejected. A node's summed
+  scores then estimate the log-probability that the walk reaches it, so the top-n trees
+  maximize the expected accepted length (the tree of Sequoia, Chen et al. 2024), fitted to
+  each row's own acceptance so far. Forced to fall strictly along the ranks (see
+  `_propose`)."""
+  rate = jnp.clip(accepts / tries, 1e-3, 1.0 - 1e-3)
+  rejected_before = jnp.cumsum(jnp.log1p(-rate), axis=-1) - jnp.log1p(-rate)
+  scores = jax.lax.cummin(jnp.log(rate) + rejected_before, axis=rate.ndim - 1)
+  return scores - 1e-4 * jnp.arange(rate.shape[-1])
+
+
+def _propose(key, logits, k, sampling, rank_scores):
+  """Draft k candidates per row of logits [B, ..., Vd]: (score of each, index, q or None).
 
   Greedy: the top k by log q. Sampling: k draws from the processed q without replacement,
-  in draw order (the order recursive rejection tries them).
+  in draw order (the order recursive rejection tries them), scored by `rank_scores`
+  [B, >= k] (from `_rank_scores`).
 
   Recursive rejection is exact only if the children it tries at a node are that node's
   first draws, however those draws came out. Keeping some drafts by their drawn values (say
   their q) would condition them on those values, and the emitted tokens would drift from
   p (measurably, in a few thousand 3-token samples of a depth-2 tree). So a sampled
-  candidate's score is a fixed prior of its draw rank, -log(1 + rank): the tree's shape is
-  the same every step (first draws along the spine, later ones beside it) and the drafter
-  only fills it; within a node, scores fall along the draw order, so any top-n selection
-  keeps each node's children a prefix of its draws."""
+  candidate's score depends only on its draw rank and on the row's earlier steps: the
+  tree's shape is fixed before this step's draws and the drafter only fills it; within a
+  node, scores fall strictly along the draw order, so any top-n selection keeps each
+  node's children a prefix of its draws."""
   if sampling.greedy:
     scores, ix = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)
     return scores, ix, None
   logq = processed_logprobs(logits, sampling)
   _, ix = jax.lax.top_k(logq + jax.random.gumbel(key, logq.shape, jnp.float32), k)
-  scores = jnp.broadcast_to(-jnp.log1p(jnp.arange(k, dtype=jnp.float32)), ix.shape)
-  return scores, ix, jnp.exp(logq)
+  scores = rank_scores[:, :k].reshape((ix.shape[0],) + (1,) * (ix.ndim - 2) + (k,))
+  return jnp.broadcast_to(scores, ix.shape), ix, jnp.exp(logq)
 
 
 def _grow_tree(key, params, drafter, head, vocab_ids, config, strategy, sampling,
@@ -139,7 +173,9 @@ def _grow_tree(key, params, drafter, head, vocab_ids, config, strategy, sampling
   committed = cache.lengths
   rows = jnp.arange(b)
   root_hidden = hidden[rows, state.pend_count - 1]
-  scores, ix, q = _propose(keys[0], draft_logits(head, root_hidden), k, sampling)
+  rank_scores = _rank_scores(state.rank_tries, state.rank_accepts)      # [B, levels, ranks]
+  scores, ix, q = _propose(keys[0], draft_logits(head, root_hidden), k, sampling,
+                           rank_scores[:, 0])
   draft_probs = [None if q is None else q[:, None]]
   level_tokens, level_parents = to_token(ix), jnp.full((b, k), -1, jnp.int32)
   level_hidden = jnp.broadcast_to(root_hidden[:, None], (b, k, root_hidden.shape[-1]))
@@ -162,7 +198,7 @@ def _grow_tree(key, params, drafter, head, vocab_ids, config, strategy, sampling
                                  new_mask=self_only, cache_mask=cache_mask,
                                  attention_impl=attention_impl)
     child_scores, child_ix, q = _propose(keys[level], draft_logits(head, out), k,
-                                         sampling)                      # [B, k, k]
+                                         sampling, rank_scores[:, level])  # [B, k, k]
     draft_probs.append(q)
     scores, best = jax.lax.top_k((scores[:, :, None] + child_scores).reshape(b, k * k), k)
     parent_local = best // k
@@ -239,6 +275,16 @@ def _accept_sampled(key, logits, tokens, parents, sel, draft_probs, vocab_ids, s
   return recursive_rejection(key, p, q, tokens, parents, strategy.depth, strategy.topk)
 
 
+def _count_ranks(state: SpecState, tries: jax.Array, accepts: jax.Array, live: jax.Array
+                 ) -> SpecState:
+  """Adds one step's [B, depth, topk] try / accept counts of live rows to the statistics."""
+  levels, ranks = state.rank_tries.shape[1:]
+  pad = lambda x: jnp.pad(jnp.where(live[:, None, None], x, 0),
+                          ((0, 0), (0, levels - x.shape[1]), (0, ranks - x.shape[2])))
+  return state.replace(rank_tries=state.rank_tries + pad(tries),
+                       rank_accepts=state.rank_accepts + pad(accepts))
+
+
 def spec_step(params: Params, drafter: DrafterParams, head: jax.Array,
               vocab_ids: jax.Array | None, state: SpecState, *, config: ModelConfig,
               strategy: SpecStrategy, sampling: SamplingParams, eos_ids: tuple[int, ...],
@@ -262,8 +308,9 @@ def spec_step(params: Params, drafter: DrafterParams, head: jax.Array,
   if draft_probs is None:
     num_accepted, path, emitted = _accept_greedy(logits, tokens, parents, node_depth, depth)
   else:
-    num_accepted, path, emitted = _accept_sampled(accept_key, logits, tokens, parents, sel,
-                                                  draft_probs, vocab_ids, strategy, sampling)
+    num_accepted, path, emitted, tries, accepts = _accept_sampled(
+        accept_key, logits, tokens, parents, sel, draft_probs, vocab_ids, strategy, sampling)
+    state = _count_ranks(state, tries, accepts, live)
   in_path = jnp.arange(depth + 1)[None, :] <= num_accepted[:, None]
 
   # Only the path's K/V enter the cache, in consecutive slots (the rest of the tree is

@@ -14,9 +14,9 @@ class SpecStrategy:
   topk=1 is a chain of `depth` drafts (verify_tokens = depth + 1). With topk > 1 the
   drafter grows a tree: each node proposes `topk` children (its top-k when greedy, k draws
   without replacement when sampling), each level keeps the `topk` best nodes by cumulative
-  draft log-prob (when sampling, by a fixed prior of draw ranks: a shape that does not
-  depend on the drawn values, as exact rejection sampling needs), and the best
-  `verify_tokens - 1` nodes of the tree are verified.
+  draft log-prob (when sampling, by the row's acceptance rate so far per level and draw
+  rank: a shape fixed before the step's draws, as exact rejection sampling needs), and
+  the best `verify_tokens - 1` nodes of the tree are verified.
   """
   depth: int
   topk: int
