@@ -130,7 +130,11 @@ def test_reduced_vocab_loss_is_restricted_target_distribution():
   p = p / p.sum(-1, keepdims=True)
   q = jax.nn.log_softmax(pred @ head[:, perm], axis=-1)
   np.testing.assert_allclose(metrics["soft_ce"], -(p * q).sum(-1).mean(), rtol=1e-5)
+  np.testing.assert_allclose(metrics["sampled_accept"],
+                             np.minimum(p, np.exp(q)).sum(-1).mean(), rtol=1e-5)
   assert np.isfinite(float(loss))
+  _, same = eagle_loss(target, target, head, weights)   # q = p: every sampled draft passes
+  np.testing.assert_allclose(same["sampled_accept"], 1.0, rtol=1e-5)
   zero_loss, zero = eagle_loss(pred, target, head, jnp.zeros((2, 5)))
   assert float(zero_loss) == 0.0 and float(zero["trained_slots"]) == 0.0
 
@@ -236,9 +240,10 @@ def test_cli_trains_and_resumes(tiny_hf_dirs, tmp_path):
     assert os.path.isfile(os.path.join(out, name)), name
   relative_out = f"--out={os.path.relpath(out, REPO_ROOT)}"   # orbax wants absolute paths
   resumed = _cli(*[relative_out if f.startswith("--out=") else f for f in flags], "--steps=4",
-                 "--resume")
+                 "--resume", "--ce_weight=1.0")
   assert resumed.returncode == 0, resumed.stderr[-2000:]
   assert "cached corpus" in resumed.stderr and "resumed at step 2" in resumed.stderr
+  assert "step 4 held-out: loss" in resumed.stderr and " / T=1 " in resumed.stderr
   with open(os.path.join(out, "metrics.json")) as f:
     metrics = json.load(f)
   assert metrics["step"] == 4 and [e["step"] for e in metrics["held_out_history"]] == [2, 4]

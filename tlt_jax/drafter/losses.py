@@ -29,14 +29,19 @@ def eagle_loss(pred_hidden: jax.Array, target_hidden: jax.Array, head: jax.Array
   """pred/target hidden [..., E], head [E, Vd], weights [...] (0 on slots not trained).
 
   Returns the weighted mean of SmoothL1 (mean over E) + ce_weight * soft-CE, and metrics
-  including top-1 accuracy (drafter argmax == target argmax within the draft vocabulary).
+  including top-1 accuracy (drafter argmax == target argmax within the draft vocabulary,
+  what greedy decoding accepts) and `sampled_accept`, sum_v min(p_v, q_v): how often one
+  draft drawn from q at T=1 passes rejection sampling against p at T=1 (both over the
+  draft vocabulary, so tokens outside it make it an upper bound).
   """
   target_hidden = jax.lax.stop_gradient(target_hidden)
   regression = jnp.mean(smooth_l1(pred_hidden, target_hidden), axis=-1)
   target_logits = draft_logits(head, target_hidden)
   pred_logits = draft_logits(head, pred_hidden)
   target_probs = jax.nn.softmax(target_logits, axis=-1)
-  soft_ce = -jnp.sum(target_probs * jax.nn.log_softmax(pred_logits, axis=-1), axis=-1)
+  pred_logprobs = jax.nn.log_softmax(pred_logits, axis=-1)
+  soft_ce = -jnp.sum(target_probs * pred_logprobs, axis=-1)
+  sampled_accept = jnp.sum(jnp.minimum(target_probs, jnp.exp(pred_logprobs)), axis=-1)
   hits = jnp.argmax(pred_logits, axis=-1) == jnp.argmax(target_logits, axis=-1)
 
   weights = weights.astype(jnp.float32)
@@ -44,4 +49,5 @@ def eagle_loss(pred_hidden: jax.Array, target_hidden: jax.Array, head: jax.Array
   mean = lambda x: jnp.sum(weights * x) / jnp.maximum(count, 1.0)
   loss = mean(regression + ce_weight * soft_ce)
   return loss, {"loss": loss, "smooth_l1": mean(regression), "soft_ce": mean(soft_ce),
-                "top1_acc": mean(hits.astype(jnp.float32)), "trained_slots": count}
+                "top1_acc": mean(hits.astype(jnp.float32)),
+                "sampled_accept": mean(sampled_accept), "trained_slots": count}

@@ -180,6 +180,7 @@ def _loss(params: DrafterParams, target_params: transformer.Params, batch: Packe
       metrics = step_metrics
     else:
       metrics[f"top1_acc_pass{k + 1}"] = step_metrics["top1_acc"]
+      metrics[f"sampled_accept_pass{k + 1}"] = step_metrics["sampled_accept"]
   metrics["loss"] = total
   return total, metrics
 
