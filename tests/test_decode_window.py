@@ -83,3 +83,11 @@ def test_prefill_groups_pad_only_to_their_own_longest_prompt():
     tokens, logprobs = _greedy_without_cache(params, prompt, 6)
     assert a.token_ids == b.token_ids == tokens
     np.testing.assert_allclose(a.logprobs, logprobs, atol=1e-5)
+
+
+def test_tail_seconds_start_once_nine_tenths_of_the_rows_are_done():
+  from tlt_jax.rollout.engine import tail_seconds
+  trace = [(1.0, 20), (2.0, 9), (3.5, 2), (4.0, 1), (9.0, 0)]
+  assert tail_seconds(trace, 20) == 9.0 - 3.5     # 18 of 20 done at 3.5 s
+  assert tail_seconds(trace, 10) == 9.0 - 4.0     # 9 of 10 done at 4 s
+  assert tail_seconds([(0.5, 1), (2.5, 0)], 1) == 0.0

@@ -54,6 +54,7 @@ def test_greedy_sd_is_token_identical(vocab_size, strategy):
     assert a.finish_reason == b.finish_reason
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
   assert sd.stats["rollout/live_rows"][-1][1] == 0
+  assert 0 <= sd.stats["rollout/tail_s"] <= sd.stats["total_s"]
   assert sd.stats["spec/verify_steps"] > 0
   if eos:
     buckets = sd.stats["rollout/batch_buckets"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import time
 import warnings
 from typing import Sequence
@@ -215,6 +216,14 @@ def prefill(params: Params, tokens: np.ndarray, lengths: np.ndarray, live: np.nd
   return state
 
 
+def tail_seconds(trace: Sequence[tuple[float, int]], num_prompts: int) -> float:
+  """`rollout/tail_s`: from the first chunk boundary with 90% of the rows done to the
+  end of the rollout; trace: the (seconds, live rows) points of `rollout/live_rows`."""
+  tail_rows = num_prompts - math.ceil(0.9 * num_prompts)
+  started = next(t for t, live in trace if live <= tail_rows)
+  return trace[-1][0] - started
+
+
 def check_attention_impl(attention_impl: str) -> None:
   if attention_impl not in IMPLS:
     raise UserInputError(f"--attention_impl={attention_impl!r}: expected one of {', '.join(IMPLS)}")
@@ -357,6 +366,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
       "generated_tokens": generated, "total_s": total_s,
       "tokens_per_s": generated / total_s if total_s > 0 else 0.0,
       "rollout/live_rows": trace,
+      "rollout/tail_s": tail_seconds(trace, len(prompts)),
       "rollout/batch_buckets": batch_buckets_used,
       "compile/programs": compiled_programs(),
       "compile/new_programs": compiled_programs() - programs_before,

@@ -115,7 +115,7 @@ def start_speculation(params: Params, drafter: DrafterParams, base: DecodeState,
 
 def _rank_scores(tries: jax.Array, accepts: jax.Array) -> jax.Array:
   """Log-probability that the walk accepts a node's rank-r draw, given that it reached the
-  node, from each row's counts [B, levels, ranks]: a_r (prod over j < r of 1 - a_j), a_r
+  node, from each row's counts [B, levels, ranks]: log(a_r * prod_{j<r} (1 - a_j)), a_r
   the rank's acceptance rate once the draws before it were rejected. A node's summed
   scores then estimate the log-probability that the walk reaches it, so the top-n trees
   maximize the expected accepted length (the tree of Sequoia, Chen et al. 2024), fitted to
