@@ -47,6 +47,10 @@ _SD_THRESHOLD = flags.DEFINE_integer("sd_threshold", 32, "SD turns on once at mo
 _ATTENTION = flags.DEFINE_enum("attention_impl", "auto", ["auto", "reference", "pallas", "triton"],
                                "Attention kernel: auto = Pallas on GPU, jnp elsewhere.")
 _SD_PATIENCE = flags.DEFINE_integer("sd_patience", 10, "... for this many decode steps.")
+_DRAFT_TEMPERATURE_RATIO = flags.DEFINE_float(
+    "draft_temperature_ratio", None, "Sampled drafts are drawn at this times --temperature "
+    "(exact at any ratio; below 1 drafts more of the tokens the target favours). Default: "
+    "the engine's (tlt_jax.rollout.engine.DEFAULT_DRAFT_TEMPERATURE_RATIO).")
 _PRECOMPILE = flags.DEFINE_bool(
     "precompile", False, "Compile every program the rollout can reach (each batch bucket, "
     "attention window and strategy) before it starts, so decoding never stops to compile and "
@@ -94,7 +98,8 @@ def load_spec(config, dtype, strategy_choice: dict):
   from tlt_jax.rollout.engine import SpecConfig
 
   sd_flags = [f for f in ("strategy", "sd_threshold", "sd_patience", "bandit_epsilon",
-                          "bandit_window", "bandit_state") if flags.FLAGS[f].present]
+                          "bandit_window", "bandit_state", "draft_temperature_ratio")
+              if flags.FLAGS[f].present]
   if _DRAFTER.value is None:
     if sd_flags:
       raise UserInputError(f"--{sd_flags[0]} needs --drafter (speculative decoding is off)")
@@ -103,7 +108,9 @@ def load_spec(config, dtype, strategy_choice: dict):
   return SpecConfig(drafter=drafter,
                     vocab_ids=None if vocab_ids is None else jnp.asarray(vocab_ids),
                     threshold=_SD_THRESHOLD.value, patience=_SD_PATIENCE.value,
-                    **strategy_choice)
+                    **strategy_choice, **({} if _DRAFT_TEMPERATURE_RATIO.value is None else
+                                          dict(draft_temperature_ratio=
+                                               _DRAFT_TEMPERATURE_RATIO.value)))
 
 
 def load_bandit(bandit_config):

@@ -79,6 +79,7 @@ def test_sd_cli_matches_plain_and_reports_stats(tiny_hf_dirs, drafter_dirs, tmp_
     (["--strategy=4_1_5,2_1_3", "--bandit_state=BADSTATE"], "malformed"),
     (["--sd_threshold=0"], "--sd_threshold"),
     (["--sd_threshold=100000"], "--sd_threshold"),
+    (["--draft_temperature_ratio=0"], "--draft_temperature_ratio"),
     (["--drafter=OTHER"], "fc.weight"),
     (["--drafter=MISSING"], "missing"),
 ])

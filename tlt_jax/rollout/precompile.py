@@ -82,7 +82,8 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
         for strategy in spec.strategies:
           spec_states[b] = speculative.spec_chunk(
               params, spec.drafter, head, spec.vocab_ids, spec_states[b], strategy=strategy,
-              chunk_steps=chunk_steps, window=window, **static)
+              chunk_steps=chunk_steps, window=window,
+              draft_temperature_ratio=spec.draft_temperature_ratio, **static)
     jax.block_until_ready(spec_states)
   jax.block_until_ready(states)
   return compiled_programs() - before

@@ -22,6 +22,7 @@ hidden states), so the drafter always conditions on real target features.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Sequence
 
@@ -288,15 +289,22 @@ def _count_ranks(state: SpecState, tries: jax.Array, accepts: jax.Array, live: j
 def spec_step(params: Params, drafter: DrafterParams, head: jax.Array,
               vocab_ids: jax.Array | None, state: SpecState, *, config: ModelConfig,
               strategy: SpecStrategy, sampling: SamplingParams, eos_ids: tuple[int, ...],
-              max_new_tokens: int, attention_impl: str = "auto") -> SpecState:
-  """Draft a tree, verify it in one target pass, commit the accepted path plus a bonus."""
+              max_new_tokens: int, draft_temperature_ratio: float = 1.0,
+              attention_impl: str = "auto") -> SpecState:
+  """Draft a tree, verify it in one target pass, commit the accepted path plus a bonus.
+
+  Sampled drafts come from the drafter at `draft_temperature_ratio` times the sampling
+  temperature (top-p / top-k as given); rejection sampling reads the same q, so any ratio
+  is exact and only acceptance changes."""
   base = state.base
   depth = strategy.depth
   live = ~base.done
   key, draft_key, accept_key = jax.random.split(base.key, 3)
+  draft_sampling = dataclasses.replace(
+      sampling, temperature=sampling.temperature * draft_temperature_ratio)
   state, node_tokens, node_parents, node_scores, ancestors, draft_probs = _grow_tree(
-      draft_key, params, drafter, head, vocab_ids, config, strategy, sampling, attention_impl,
-      state)
+      draft_key, params, drafter, head, vocab_ids, config, strategy, draft_sampling,
+      attention_impl, state)
   tokens, node_depth, parents, mask, sel = _select_verify_set(
       strategy, node_tokens, node_parents, node_scores, ancestors, base.last_tokens)
 
@@ -340,14 +348,15 @@ def spec_step(params: Params, drafter: DrafterParams, head: jax.Array,
 
 @functools.partial(jax.jit, static_argnames=("config", "strategy", "sampling", "eos_ids",
                                              "max_new_tokens", "chunk_steps", "window",
-                                             "attention_impl"),
+                                             "draft_temperature_ratio", "attention_impl"),
                    donate_argnames=("state",))
 def spec_chunk(params: Params, drafter: DrafterParams, head: jax.Array,
                vocab_ids: jax.Array | None, state: SpecState, *, config: ModelConfig,
                strategy: SpecStrategy,
                sampling: SamplingParams, eos_ids: tuple[int, ...], max_new_tokens: int,
                chunk_steps: int, window: int | None = None,
-               attention_impl: str = "auto") -> SpecState:
+               draft_temperature_ratio: float = 1.0, attention_impl: str = "auto"
+               ) -> SpecState:
   """Up to `chunk_steps` speculative steps in one program; stops when all rows are done.
 
   head: `draft_head(params, config, vocab_ids)`, made once per rollout by the caller (its
@@ -365,7 +374,9 @@ def spec_chunk(params: Params, drafter: DrafterParams, head: jax.Array,
     i, s = carry
     return i + 1, spec_step(params, drafter, head, vocab_ids, s, config=config,
                             strategy=strategy, sampling=sampling, eos_ids=eos_ids,
-                            max_new_tokens=max_new_tokens, attention_impl=attention_impl)
+                            max_new_tokens=max_new_tokens,
+                            draft_temperature_ratio=draft_temperature_ratio,
+                            attention_impl=attention_impl)
 
   def cond(carry):
     i, s = carry
