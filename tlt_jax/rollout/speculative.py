@@ -5,9 +5,10 @@ iff its token is the target's argmax at its parent (the target-only rule), so th
 is bit-identical to plain greedy decoding. The bonus token is the argmax at the deepest
 accepted node.
 
-Sampling: each node's children are drawn from the drafter's processed q without
-replacement (Gumbel top-k), and the verified tree is walked by recursive rejection
-sampling (`acceptance.recursive_rejection`), so each emitted token is distributed exactly
+Sampling: each node's children are drawn without replacement (Gumbel top-k) from the
+drafter's q, processed like p but at `draft_temperature_ratio` times its temperature,
+and the verified tree is walked by recursive rejection sampling
+(`acceptance.recursive_rejection`), so each emitted token is distributed exactly
 as plain sampling from the processed target p. Compared with accepting a top-k child only
 when it equals the target's own draw, this accepts with min(1, p/q) per tried child: on
 SmolLM2 at T=1 with 4 children, 0.69 of first levels instead of 0.57 (measured with a
