@@ -48,9 +48,10 @@ _ATTENTION = flags.DEFINE_enum("attention_impl", "auto", ["auto", "reference", "
                                "Attention kernel: auto = Pallas on GPU, jnp elsewhere.")
 _SD_PATIENCE = flags.DEFINE_integer("sd_patience", 10, "... for this many decode steps.")
 _DRAFT_TEMPERATURE_RATIO = flags.DEFINE_float(
-    "draft_temperature_ratio", None, "Sampled drafts are drawn at this times --temperature "
-    "(exact at any ratio; below 1 drafts more of the tokens the target favours). Default: "
-    "the engine's (tlt_jax.rollout.engine.DEFAULT_DRAFT_TEMPERATURE_RATIO).")
+    "draft_temperature_ratio", None, "Sampled trees (topk > 1) draw drafts at this times "
+    "--temperature (exact at any ratio; below 1 tries more of the tokens the target favours; "
+    "chains keep --temperature). Default: the engine's "
+    "(tlt_jax.rollout.engine.DEFAULT_DRAFT_TEMPERATURE_RATIO).")
 _PRECOMPILE = flags.DEFINE_bool(
     "precompile", False, "Compile every program the rollout can reach (each batch bucket, "
     "attention window and strategy) before it starts, so decoding never stops to compile and "

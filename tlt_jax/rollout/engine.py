@@ -52,10 +52,11 @@ class SpecConfig:
   threshold: int = 32
   patience: int = 10
   bandit: StrategyBandit | None = None
-  # Sampled drafts are drawn at this times the sampling temperature (exact at any ratio).
-  # A sharper q than the drafter's own tries more of the tokens the target favours: SmolLM2
-  # at T=1, 8_8_32, 48 prompts: accept 2.34 at ratio 1.25, 2.59 at 1, 2.66 at 0.8, 2.69 at
-  # 0.7, 2.55 at 0.6.
+  # Sampled trees draw at this times the sampling temperature (exact at any ratio). A
+  # sharper q than the drafter's own puts more of a node's draws on the tokens the target
+  # favours: SmolLM2 at T=1, 48 prompts, 8_8_32: accept 2.34 at ratio 1.25, 2.59 at 1, 2.66
+  # at 0.8, 2.69 at 0.7, 2.55 at 0.6; 8_4_16: 2.36 at 1, 2.47 at 0.7. A chain's one draft
+  # does not gain (4_1_5: 1.97 at 1, 1.91 at 0.7), so chains keep the sampling temperature.
   draft_temperature_ratio: float = DEFAULT_DRAFT_TEMPERATURE_RATIO
 
   def __post_init__(self):

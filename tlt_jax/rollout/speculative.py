@@ -6,7 +6,7 @@ is bit-identical to plain greedy decoding. The bonus token is the argmax at the 
 accepted node.
 
 Sampling: each node's children are drawn without replacement (Gumbel top-k) from the
-drafter's q, processed like p but at `draft_temperature_ratio` times its temperature,
+drafter's q, processed like p (trees: at `draft_temperature_ratio` times its temperature),
 and the verified tree is walked by recursive rejection sampling
 (`acceptance.recursive_rejection`), so each emitted token is distributed exactly
 as plain sampling from the processed target p. Compared with accepting a top-k child only
@@ -294,15 +294,16 @@ def spec_step(params: Params, drafter: DrafterParams, head: jax.Array,
               attention_impl: str = "auto") -> SpecState:
   """Draft a tree, verify it in one target pass, commit the accepted path plus a bonus.
 
-  Sampled drafts come from the drafter at `draft_temperature_ratio` times the sampling
-  temperature (top-p / top-k as given); rejection sampling reads the same q, so any ratio
-  is exact and only acceptance changes."""
+  Sampled tree drafts (topk > 1) come from the drafter at `draft_temperature_ratio` times
+  the sampling temperature (top-p / top-k as given); rejection sampling reads the same q,
+  so any ratio is exact and only acceptance changes. A chain's single draft passes most
+  often when q is closest to p, so chains draw at the sampling temperature itself."""
   base = state.base
   depth = strategy.depth
   live = ~base.done
   key, draft_key, accept_key = jax.random.split(base.key, 3)
-  draft_sampling = dataclasses.replace(
-      sampling, temperature=sampling.temperature * draft_temperature_ratio)
+  ratio = draft_temperature_ratio if strategy.topk > 1 else 1.0
+  draft_sampling = dataclasses.replace(sampling, temperature=sampling.temperature * ratio)
   state, node_tokens, node_parents, node_scores, ancestors, draft_probs = _grow_tree(
       draft_key, params, drafter, head, vocab_ids, config, strategy, draft_sampling,
       attention_impl, state)
