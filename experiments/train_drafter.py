@@ -55,9 +55,9 @@ _UNROLL = flags.DEFINE_integer(
     "1..m-1 on the drafter's own predicted features, as drafting runs (cost: m x).",
     lower_bound=1)
 _CE_WEIGHT = flags.DEFINE_float(
-    "ce_weight", 0.1, "Weight of the soft cross-entropy against the target's distribution "
-    "beside the hidden-state regression (EAGLE: 0.1); more favours acceptance when sampling.",
-    lower_bound=0.0)
+    "ce_weight", None, "Weight of the soft cross-entropy against the target's distribution "
+    "beside the hidden-state regression; more favours acceptance when sampling. Default: "
+    "tlt_jax.drafter.losses.CE_WEIGHT (EAGLE's).", lower_bound=0.0)
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for prompts, sampling, init and batch order.")
 _RESUME = flags.DEFINE_bool("resume", False, "Continue training from OUT's drafter checkpoint.")
 _LOG_EVERY = flags.DEFINE_integer("log_every", 10, "Steps per progress line.", lower_bound=1)
@@ -208,7 +208,8 @@ def _batch_indices(step: int, batch_rows: int, num_rows: int, seed: int):
   return np.array([perms[e][i % num_rows] for e, i in zip(epochs, flat)])
 
 
-def _evaluate(drafter_params, target_params, rows, hidden, vocab, config, batch_rows):
+def _evaluate(drafter_params, target_params, rows, hidden, vocab, config, batch_rows,
+              ce_weight):
   """Slot-weighted metrics over all `rows`."""
   import jax
   import numpy as np
@@ -223,7 +224,7 @@ def _evaluate(drafter_params, target_params, rows, hidden, vocab, config, batch_
     chunk = chunk.replace(loss_mask=chunk.loss_mask * counted[:, None])  # wrapped rows: 0
     metrics = jax.device_get(trainer.eval_step(
         drafter_params, target_params, chunk, vocab,
-        None if hidden is None else hidden[idx], config=config, ce_weight=_CE_WEIGHT.value,
+        None if hidden is None else hidden[idx], config=config, ce_weight=ce_weight,
         unroll=_UNROLL.value))
     n = float(metrics.pop("trained_slots"))
     slots += n
@@ -238,7 +239,7 @@ def main(argv):
   import jax.numpy as jnp
   import numpy as np
 
-  from tlt_jax.drafter import packing, trainer
+  from tlt_jax.drafter import losses, packing, trainer
   from tlt_jax.models import drafter
   from tlt_jax.models.loading import load_model
 
@@ -309,6 +310,7 @@ def main(argv):
     log(f"target hidden states for all rows: {time.perf_counter() - began:.0f}s")
 
   warmup = _STEPS.value // 20 if _WARMUP.value is None else _WARMUP.value
+  ce_weight = losses.CE_WEIGHT if _CE_WEIGHT.value is None else _CE_WEIGHT.value
   optimizer = trainer.make_optimizer(_LR.value, _STEPS.value, warmup)
   state = trainer.init_train_state(
       drafter.init_drafter_params(config, jax.random.key(_SEED.value)), optimizer)
@@ -324,7 +326,7 @@ def main(argv):
 
   def evaluate(step: int) -> None:
     metrics = _evaluate(state.params, model.params, eval_rows, eval_hidden, vocab_device,
-                        config, _BATCH_ROWS.value)
+                        config, _BATCH_ROWS.value, ce_weight)
     evals.append(metrics | {"step": step})
     log(f"step {step} held-out: loss {metrics['loss']:.4f} {_acceptance(metrics)} "
         f"over {metrics['slots']} slots")
@@ -337,7 +339,7 @@ def main(argv):
     hidden = None if train_hidden is None else train_hidden[idx]
     state, metrics = trainer.train_step(state, model.params, batch, vocab_device, hidden,
                                         config=config, optimizer=optimizer,
-                                        ce_weight=_CE_WEIGHT.value, unroll=_UNROLL.value)
+                                        ce_weight=ce_weight, unroll=_UNROLL.value)
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
     window.append(metrics | {"tokens": int((batch.segment_ids > 0).sum())})
     done = step + 1
