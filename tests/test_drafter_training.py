@@ -202,6 +202,29 @@ def test_save_load_round_trip(tmp_path, target_params):
   assert exported["draft_vocab_size"] == 48 and exported["target"]["hidden_size"] == 32
 
 
+def test_export_as_float16(tmp_path):
+  """The shippable export: float16 weights load back within float16 rounding; a weight
+  float16 cannot hold is an error, not an inf."""
+  params = drafter.init_drafter_params(CONFIG, jax.random.key(3))
+  vocab = np.arange(0, 90, 3, dtype=np.int32)
+  out = str(tmp_path / "shipped")
+  trainer.export_drafter(out, params, vocab, CONFIG, step=7, target_source="tiny",
+                         dtype="float16")
+  assert set(os.listdir(out)) == {trainer.CONFIG, trainer.WEIGHTS}
+  loaded, loaded_vocab = trainer.load_drafter(out, CONFIG)
+  np.testing.assert_array_equal(loaded_vocab, vocab)
+  for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
+    assert a.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-6)
+  with open(os.path.join(out, trainer.CONFIG)) as f:
+    exported = json.load(f)
+  assert exported["torch_dtype"] == "float16" and exported["step"] == 7
+  huge = dict(params, fc_bias=params["fc_bias"].at[0].set(1e5))
+  with pytest.raises(UserInputError, match=r"fc.bias: holds values beyond float16"):
+    trainer.export_drafter(str(tmp_path / "huge"), huge, None, CONFIG, step=None,
+                           target_source=None, dtype="float16")
+
+
 def test_load_drafter_rejects_other_model(tmp_path):
   out = str(tmp_path / "drafter")
   params = drafter.init_drafter_params(CONFIG, jax.random.key(7))
@@ -251,6 +274,21 @@ def test_cli_trains_and_resumes(tiny_hf_dirs, tmp_path):
   _, vocab = trainer.load_drafter(out, ModelConfig.from_hf_dir(tiny_hf_dirs["llama"]))
   assert len(vocab) == 64
   assert os.path.isfile(os.path.join(out, "hidden_states_train.npy"))
+
+  # Export for shipping: float16 files that load for the same model.
+  shipped = str(tmp_path / "shipped")
+  export = lambda *a: subprocess.run([sys.executable, "-m", "experiments.export_drafter",
+                                      f"--model={tiny_hf_dirs['llama']}", *a], cwd=REPO_ROOT,
+                                     capture_output=True, text=True, timeout=120,
+                                     env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  exported = export(f"--drafter={out}", f"--out={shipped}")
+  assert exported.returncode == 0, exported.stderr[-2000:]
+  assert "(step 4)" in exported.stderr and "float16" in exported.stderr
+  _, shipped_vocab = trainer.load_drafter(shipped, ModelConfig.from_hf_dir(tiny_hf_dirs["llama"]))
+  np.testing.assert_array_equal(shipped_vocab, vocab)
+  onto_itself = export(f"--drafter={out}", f"--out={out}")
+  assert onto_itself.returncode == 2 and onto_itself.stderr.strip().count("\n") == 0
+  assert "is --drafter itself" in onto_itself.stderr
 
   # A second run adds the first run's corpus to its own (40 samples: 2 held out).
   mixed = str(tmp_path / "mixed")

@@ -246,14 +246,31 @@ def save_drafter(out_dir: str, state_or_params: TrainState | DrafterParams,
   os.makedirs(out_dir, exist_ok=True)
   with atomic_output_dir(os.path.join(out_dir, CHECKPOINT), overwrite=True) as tmp:
     save_tree(os.path.join(tmp, STATE), tree)
+  export_drafter(out_dir, params, vocab_ids, model_config,
+                 step=int(state.step) if state is not None else None,
+                 target_source=target_source)
 
+
+def export_drafter(out_dir: str, params: DrafterParams, vocab_ids: Any | None,
+                   model_config: ModelConfig, *, step: int | None,
+                   target_source: str | None, dtype: str | None = None) -> None:
+  """Writes the deployable files (safetensors + config) into `out_dir`, each atomically.
+
+  dtype: the stored weight dtype ("float16", "float32"; None keeps the params'). float16
+  halves a float32 file; a weight beyond its range is an error, never a silent inf."""
   tensors = {}
   for path, (name, transposed) in _EXPORT_NAMES.items():
     value = np.asarray(functools.reduce(lambda node, key: node[key], path, params))
     value = value[0] if path[0] == "layers" else value
+    if dtype is not None:
+      limit = np.finfo(dtype).max
+      if np.abs(value).max() > limit:
+        raise UserInputError(f"{name}: holds values beyond {dtype}'s range {limit:g}")
+      value = value.astype(dtype)
     tensors[name] = np.ascontiguousarray(value.T if transposed else value)
   if vocab_ids is not None:
     tensors[DRAFT_VOCAB] = np.asarray(vocab_ids, np.int64)
+  os.makedirs(out_dir, exist_ok=True)
   _write_atomic(os.path.join(out_dir, WEIGHTS),
                 safetensors.numpy.save(tensors, metadata={"format": "np"}))
 
@@ -266,7 +283,8 @@ def save_drafter(out_dir: str, state_or_params: TrainState | DrafterParams,
                                 "num_key_value_heads", "head_dim", "rms_norm_eps",
                                 "rope_parameters", "vocab_size")},
       "draft_vocab_size": None if vocab_ids is None else int(np.size(vocab_ids)),
-      "step": int(state.step) if state is not None else None,
+      "torch_dtype": str(tensors["fc.weight"].dtype),
+      "step": step,
       "target": target,
       "target_source": target_source,
   }

@@ -1,0 +1,54 @@
+"""Re-exports a trained drafter's deployable files, e.g. as float16 to ship it.
+
+  python -m experiments.export_drafter --drafter=runs/drafter --out=assets/drafter_smollm2 \
+      --dtype=float16
+
+Reads DIR's drafter.safetensors + drafter_config.json (checked against --model), writes
+the same two files into --out with weights stored as --dtype (loading casts them back to
+the compute dtype). No optimizer state travels: the result deploys, it does not resume.
+Exit code 2 with one `error: ...` line on stderr for any bad flag or input.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from absl import flags
+
+from experiments import cli
+from tlt_jax.errors import UserInputError
+
+_MODEL = flags.DEFINE_string("model", "smollm2", "Target the drafter was trained for: "
+                             "`smollm2`, a .gguf file or a checkpoint dir.")
+_DRAFTER = flags.DEFINE_string("drafter", None, "Drafter dir (a train_drafter --out).")
+_OUT = flags.DEFINE_string("out", None, "Output dir (created; its two drafter files are "
+                           "replaced, anything else in it is left alone).")
+_DTYPE = flags.DEFINE_enum("dtype", "float16", ["float16", "float32"], "Stored weight dtype.")
+flags.mark_flags_as_required(["drafter", "out"])
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  import jax.numpy as jnp
+
+  from tlt_jax.drafter import trainer
+  from tlt_jax.models.loading import load_model
+
+  if os.path.abspath(_OUT.value) == os.path.abspath(_DRAFTER.value):
+    raise UserInputError(f"--out={_OUT.value}: is --drafter itself; export to another dir")
+  if os.path.lexists(_OUT.value) and not os.path.isdir(_OUT.value):
+    raise UserInputError(f"--out={_OUT.value}: exists and is not a directory")
+  config = load_model(_MODEL.value, dtype=jnp.float32).config
+  params, vocab_ids = trainer.load_drafter(_DRAFTER.value, config)
+  with open(os.path.join(_DRAFTER.value, trainer.CONFIG)) as f:
+    stored = json.load(f)
+  trainer.export_drafter(_OUT.value, params, vocab_ids, config, step=stored.get("step"),
+                         target_source=stored.get("target_source"), dtype=_DTYPE.value)
+  size = os.path.getsize(os.path.join(_OUT.value, trainer.WEIGHTS))
+  print(f"exported {_DRAFTER.value} (step {stored.get('step')}) -> {_OUT.value}: "
+        f"{_DTYPE.value}, {size / 2**20:.1f} MiB", file=sys.stderr)
+
+
+if __name__ == "__main__":
+  cli.run(main)
