@@ -2,13 +2,13 @@
 
 The device machine has jax, flax, optax, orbax, triton and transformers, but no
 reasoning-gym, no gguf reader, no jax-triton and no model hub, and one call carries at
-most 64 MiB, less than the 98 MB SmolLM2 GGUF. So:
-  gpu_bundle/part1/  the GGUF's first 60 MiB
+most 64 MiB, working tree included, less than the 98 MB SmolLM2 GGUF. So:
+  gpu_bundle/part1/  the GGUF's first bytes, as many as fit beside the working tree
   gpu_bundle/part2/  the rest of it and its sha256, the drafter export (safetensors +
                      config), the benchmark's questions (--write_questions), the gguf and
                      jax-triton wheels
 
-  python benchmarks/gpu_bundle.py --drafter=runs/drafter_u3
+  python benchmarks/gpu_bundle.py [--drafter=DIR]
 then benchmarks/gpu_check.sh says how to run it there.
 """
 from __future__ import annotations
@@ -26,14 +26,28 @@ from absl import flags  # noqa: E402
 from experiments import cli  # noqa: E402
 from tlt_jax.errors import UserInputError  # noqa: E402
 
-_DRAFTER = flags.DEFINE_string("drafter", "runs/drafter_smollm2", "Drafter dir to ship.")
+_DRAFTER = flags.DEFINE_string("drafter", "assets/drafter_smollm2", "Drafter dir to ship.")
 _OUT = flags.DEFINE_string("out", "gpu_bundle", "Bundle dir (replaced).")
 _ACCEPT_PROMPTS = flags.DEFINE_integer("accept_prompts", 12, "Questions for part 3.")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DRAFTER_FILES = ("drafter.safetensors", "drafter_config.json")
 JAX_TRITON = "jax-triton>=0.3"     # pyproject's `triton` extra; the device has triton itself
-PART1_GGUF_BYTES = 60 * 2**20      # a call carries 64 MiB, the working tree included
+CALL_BYTES = 64 * 2**20            # what one device call carries, the working tree included
+MARGIN_BYTES = 2**20               # for files the working tree gains before the call
+
+
+def working_tree_bytes() -> int:
+  """Bytes of what travels with every call: tracked and untracked, not ignored, files."""
+  listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                          cwd=REPO, check=True, capture_output=True).stdout
+  paths = [os.path.join(REPO, p) for p in listed.decode().split("\0") if p]
+  return sum(os.path.getsize(p) for p in paths if os.path.isfile(p))
+
+
+def folder_bytes(path: str) -> int:
+  return sum(os.path.getsize(os.path.join(root, name))
+             for root, _, names in os.walk(path) for name in names)
 
 
 def main(argv):
@@ -52,8 +66,9 @@ def main(argv):
 
   with open(gguf, "rb") as f:
     data = f.read()
-  # Part 2 also carries the drafter, so part 1 takes most of the file.
-  cut = min(len(data), PART1_GGUF_BYTES)
+  # Part 1 takes all the GGUF that fits beside the working tree; part 2 the rest.
+  tree = working_tree_bytes()
+  cut = min(len(data), CALL_BYTES - tree - MARGIN_BYTES)
   for directory, chunk in ((part1, data[:cut]), (part2, data[cut:])):
     with open(os.path.join(directory, "smollm2.gguf.part"), "wb") as f:
       f.write(chunk)
@@ -73,12 +88,17 @@ def main(argv):
                     "--only-binary=:all:", "-d", os.path.join(part2, "wheels"), requirement],
                    check=True)
 
+  sizes = {part: folder_bytes(os.path.join(staging, part)) for part in ("part1", "part2")}
+  if tree + sizes["part2"] + MARGIN_BYTES > CALL_BYTES:
+    shutil.rmtree(staging)
+    raise UserInputError(f"part2 ({sizes['part2'] / 2**20:.1f} MiB) and the working tree "
+                         f"({tree / 2**20:.1f} MiB) exceed one call's "
+                         f"{CALL_BYTES / 2**20:.0f} MiB")
   shutil.rmtree(out, ignore_errors=True)
   os.replace(staging, out)
-  for part in ("part1", "part2"):
-    size = sum(os.path.getsize(os.path.join(root, name))
-               for root, _, names in os.walk(os.path.join(out, part)) for name in names)
-    print(f"{out}/{part}: {size / 2**20:.1f} MiB", file=sys.stderr)
+  for part, size in sizes.items():
+    print(f"{out}/{part}: {size / 2**20:.1f} MiB (+ {tree / 2**20:.1f} MiB working tree)",
+          file=sys.stderr)
 
 
 if __name__ == "__main__":

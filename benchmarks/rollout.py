@@ -1,6 +1,6 @@
 """Rollout speed on SmolLM2 with a warmed-up drafter: plain decoding vs speculative decoding.
 
-  python benchmarks/rollout.py --drafter=runs/drafter_smollm2 [--output=FILE]
+  python benchmarks/rollout.py [--drafter=assets/drafter_smollm2] [--output=FILE]
 
 Prints JSON. Part 1: fixed batches (1, 4, 16) at T=0 and T=1, SD on from the first step,
 plain and SD alternated (A B A B ...) after both sides' program pools are compiled and a warm-up
@@ -35,7 +35,7 @@ from tlt_jax.errors import UserInputError  # noqa: E402
 
 _MODEL = flags.DEFINE_string("model", "smollm2", "Target: `smollm2` or a path (.gguf file, "
                              "HF dir, converted checkpoint dir).")
-_DRAFTER = flags.DEFINE_string("drafter", "runs/drafter_smollm2", "Warmed-up drafter dir.")
+_DRAFTER = flags.DEFINE_string("drafter", "assets/drafter_smollm2", "Warmed-up drafter dir.")
 _QUESTIONS = flags.DEFINE_string(
     "questions_json", None, "Read the benchmark's questions from this file (written by "
     "--write_questions) instead of generating them with reasoning-gym.")

@@ -163,12 +163,18 @@ def _rows_hidden(target_params, rows, batch_rows: int, config):
   from tlt_jax.drafter import trainer
 
   out = np.zeros(rows.tokens.shape + (config.hidden_size,), np.float32)
+  began, reported = time.perf_counter(), 0
   for start in range(0, rows.num_rows, batch_rows):
     idx = np.arange(start, start + batch_rows) % rows.num_rows  # fixed shape: wrap around
     chunk = jax.tree.map(lambda a: a[idx], rows)
     hidden = np.asarray(trainer.target_hidden(target_params, chunk, config=config))
     n = min(batch_rows, rows.num_rows - start)
     out[start:start + n] = hidden[:n]
+    done = start + n
+    if done == rows.num_rows or time.perf_counter() - began >= 60 * (reported + 1):
+      reported += 1
+      log(f"target hidden states: {done}/{rows.num_rows} rows, "
+          f"{time.perf_counter() - began:.0f}s")
   return out
 
 

@@ -105,10 +105,11 @@ def make_optimizer(lr: float, total_steps: int, warmup_steps: int = 0,
 def target_hidden(target_params: transformer.Params, batch: PackedRows, *,
                   config: ModelConfig) -> jax.Array:
   """The target's post-norm hidden states [B, T, E] for packed rows, samples kept apart."""
-  b, t = batch.tokens.shape
-  cache = init_cache(config, b, t, target_params["embed"].dtype)
-  hidden, _ = transformer.forward(target_params, config, batch.tokens, batch.positions, cache,
-                                  batch.new_mask)
+  # The rows attend among themselves alone: an empty cache has no slots to score or write
+  # (an empty 512-slot one doubled the attention work and wrote every K/V for nothing).
+  empty = init_cache(config, batch.tokens.shape[0], 0, target_params["embed"].dtype)
+  hidden, _, _ = transformer.forward_new_kv(target_params, config, batch.tokens,
+                                            batch.positions, empty, batch.new_mask)
   return hidden
 
 
