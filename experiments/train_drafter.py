@@ -60,6 +60,10 @@ _CE_WEIGHT = flags.DEFINE_float(
     "tlt_jax.drafter.losses.CE_WEIGHT (EAGLE's).", lower_bound=0.0)
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for prompts, sampling, init and batch order.")
 _RESUME = flags.DEFINE_bool("resume", False, "Continue training from OUT's drafter checkpoint.")
+_INIT_FROM = flags.DEFINE_string(
+    "init_from", None, "Start from this drafter export's weights and draft vocabulary (e.g. "
+    "assets/drafter_smollm2), with a fresh optimizer and step count: how a shipped drafter, "
+    "which carries no optimizer state, keeps training.")
 _LOG_EVERY = flags.DEFINE_integer("log_every", 10, "Steps per progress line.", lower_bound=1)
 _SAVE_EVERY = flags.DEFINE_integer("save_every", 100, "Steps between checkpoints.",
                                    lower_bound=1)
@@ -255,6 +259,8 @@ def main(argv):
   has_checkpoint = os.path.isdir(os.path.join(out_dir, trainer.CHECKPOINT))
   if _RESUME.value and not has_checkpoint:
     raise UserInputError(f"--resume: {out_dir} has no drafter checkpoint")
+  if _RESUME.value and _INIT_FROM.value:
+    raise UserInputError(f"--init_from={_INIT_FROM.value}: give it or --resume, not both")
   validate_tasks(_TASKS.value)
   extra = [_read_extra_corpus(path, _MODEL.value) for path in _EXTRA_CORPORA.value]
   os.makedirs(out_dir, exist_ok=True)
@@ -275,12 +281,14 @@ def main(argv):
   train_rows = packing.pack_samples(as_pairs(train), _SEQ_LEN.value)
   eval_rows = packing.pack_samples(as_pairs(held_out), _SEQ_LEN.value) if held_out else None
 
-  if _RESUME.value:
-    _, vocab = trainer.load_drafter(out_dir, config)
+  initial = None
+  if _RESUME.value or _INIT_FROM.value:
+    source = out_dir if _RESUME.value else _INIT_FROM.value
+    initial, vocab = trainer.load_drafter(source, config)
     stored = 0 if vocab is None else len(vocab)
     if stored != _DRAFT_VOCAB.value:
-      raise UserInputError(f"--draft_vocab_size={_DRAFT_VOCAB.value}: the checkpoint in "
-                           f"{out_dir} has {stored}")
+      raise UserInputError(f"--draft_vocab_size={_DRAFT_VOCAB.value}: the drafter in "
+                           f"{source} has {stored}")
   elif _DRAFT_VOCAB.value:
     vocab = trainer.select_draft_vocab([s["response_ids"] for s in train], _DRAFT_VOCAB.value,
                                        vocab_size=config.vocab_size)
@@ -319,7 +327,8 @@ def main(argv):
   ce_weight = losses.CE_WEIGHT if _CE_WEIGHT.value is None else _CE_WEIGHT.value
   optimizer = trainer.make_optimizer(_LR.value, _STEPS.value, warmup)
   state = trainer.init_train_state(
-      drafter.init_drafter_params(config, jax.random.key(_SEED.value)), optimizer)
+      drafter.init_drafter_params(config, jax.random.key(_SEED.value)) if initial is None
+      else initial, optimizer)
   history, evals = [], []
   if _RESUME.value:
     state = trainer.restore_train_state(out_dir, state)
@@ -327,6 +336,8 @@ def main(argv):
       previous = _read_json(os.path.join(out_dir, METRICS))
       history, evals = previous.get("history", []), previous.get("held_out_history", [])
     log(f"resumed at step {int(state.step)}")
+  elif _INIT_FROM.value:
+    log(f"starting from the weights of {_INIT_FROM.value}")
   elif has_checkpoint:
     log(f"{out_dir} holds a drafter; training a new one over it (use --resume to continue)")
 

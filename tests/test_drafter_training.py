@@ -289,6 +289,16 @@ def test_cli_trains_and_resumes(tiny_hf_dirs, tmp_path):
   onto_itself = export(f"--drafter={out}", f"--out={out}")
   assert onto_itself.returncode == 2 and onto_itself.stderr.strip().count("\n") == 0
   assert "is --drafter itself" in onto_itself.stderr
+  # The export keeps training (fresh optimizer), with its own draft vocabulary.
+  again = str(tmp_path / "again")
+  continued = _cli(*[f"--out={again}" if f.startswith("--out=") else f for f in flags],
+                   "--steps=1", f"--init_from={shipped}")
+  assert continued.returncode == 0, continued.stderr[-2000:]
+  assert f"starting from the weights of {shipped}" in continued.stderr
+  np.testing.assert_array_equal(
+      trainer.load_drafter(again, ModelConfig.from_hf_dir(tiny_hf_dirs["llama"]))[1], vocab)
+  both_ways = _cli(*flags, "--steps=5", "--resume", f"--init_from={shipped}")
+  assert both_ways.returncode == 2 and "not both" in both_ways.stderr
 
   # A second run adds the first run's corpus to its own (40 samples: 2 held out).
   mixed = str(tmp_path / "mixed")
