@@ -348,6 +348,8 @@ def main(argv):
     log(f"step {step} held-out: loss {metrics['loss']:.4f} {_acceptance(metrics)} "
         f"over {metrics['slots']} slots")
 
+  if _INIT_FROM.value and eval_rows is not None:
+    evaluate(0)  # the starting point a continuation is measured against
   save = lambda: trainer.save_drafter(out_dir, state, vocab, config, target_source=_MODEL.value)
   window, began = [], time.perf_counter()
   for step in range(int(state.step), _STEPS.value):

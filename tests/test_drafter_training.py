@@ -295,6 +295,8 @@ def test_cli_trains_and_resumes(tiny_hf_dirs, tmp_path):
                    "--steps=1", f"--init_from={shipped}")
   assert continued.returncode == 0, continued.stderr[-2000:]
   assert f"starting from the weights of {shipped}" in continued.stderr
+  with open(os.path.join(again, "metrics.json")) as f:
+    assert [e["step"] for e in json.load(f)["held_out_history"]] == [0, 1]
   np.testing.assert_array_equal(
       trainer.load_drafter(again, ModelConfig.from_hf_dir(tiny_hf_dirs["llama"]))[1], vocab)
   both_ways = _cli(*flags, "--steps=5", "--resume", f"--init_from={shipped}")
