@@ -64,6 +64,9 @@ _INIT_FROM = flags.DEFINE_string(
     "init_from", None, "Start from this drafter export's weights and draft vocabulary (e.g. "
     "assets/drafter_smollm2), with a fresh optimizer and step count: how a shipped drafter, "
     "which carries no optimizer state, keeps training.")
+_CORPUS_ONLY = flags.DEFINE_bool(
+    "corpus_only", False, "Stop once OUT/corpus.json is complete (a corpus for "
+    "--extra_corpora of another run); no hidden states, no training.")
 _LOG_EVERY = flags.DEFINE_integer("log_every", 10, "Steps per progress line.", lower_bound=1)
 _SAVE_EVERY = flags.DEFINE_integer("save_every", 100, "Steps between checkpoints.",
                                    lower_bound=1)
@@ -272,6 +275,9 @@ def main(argv):
     raise UserInputError(f"--draft_vocab_size={_DRAFT_VOCAB.value}: exceeds the model's "
                          f"vocabulary of {config.vocab_size}")
   corpus = load_or_generate_corpus(model, out_dir)
+  if _CORPUS_ONLY.value:
+    log(f"wrote {os.path.join(out_dir, CORPUS)}: {len(corpus['samples'])} samples")
+    return
   samples = corpus["samples"] + [s for c in extra for s in c["samples"]]
   # Every 20th sample is held out to measure the drafter on responses it never saw.
   is_held_out = lambda i: len(samples) >= 20 and i % 20 == 19

@@ -257,8 +257,12 @@ def test_cli_trains_and_resumes(tiny_hf_dirs, tmp_path):
   flags = [f"--model={tiny_hf_dirs['llama']}", f"--out={out}", "--num_prompts=20",
            "--tasks=basic_arithmetic,chat", "--max_new_tokens=8", "--batch_rows=2",
            "--seq_len=128", "--draft_vocab_size=64", "--log_every=1", "--eval_every=2"]
+  corpus_only = _cli(*flags, "--corpus_only")
+  assert corpus_only.returncode == 0, corpus_only.stderr[-2000:]
+  assert sorted(os.listdir(out)) == ["corpus.json"]
   first = _cli(*flags, "--steps=2")
   assert first.returncode == 0, first.stderr[-2000:]
+  assert "cached corpus" in first.stderr
   for name in ("corpus.json", "metrics.json", trainer.WEIGHTS, trainer.CONFIG):
     assert os.path.isfile(os.path.join(out, name)), name
   relative_out = f"--out={os.path.relpath(out, REPO_ROOT)}"   # orbax wants absolute paths
