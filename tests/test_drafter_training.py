@@ -168,6 +168,15 @@ def test_select_draft_vocab():
   np.testing.assert_array_equal(ids, [0, 5, 7, 9])  # 0 fills the unseen slot, lowest id
   with pytest.raises(UserInputError, match="--draft_vocab_size"):
     trainer.select_draft_vocab([[1]], 13, vocab_size=12)
+  # Shrinking a draft vocabulary: 9 is the most frequent but not in it; 3 is in it, unseen.
+  among = np.array([3, 5, 7, 11])
+  shrunk = trainer.select_draft_vocab([[5, 5, 9, 9, 9], [7, 5, 11, 7]], 3, vocab_size=12,
+                                      among=among)
+  np.testing.assert_array_equal(shrunk, [5, 7, 11])
+  np.testing.assert_array_equal(
+      trainer.select_draft_vocab([[9, 9]], 2, vocab_size=12, among=among), [3, 5])
+  with pytest.raises(UserInputError, match=r"must be in \[1, 4\]"):
+    trainer.select_draft_vocab([[5]], 5, vocab_size=12, among=among)
 
 
 def test_save_load_round_trip(tmp_path, target_params):
@@ -290,6 +299,23 @@ def test_cli_trains_and_resumes(tiny_hf_dirs, tmp_path):
   assert "(step 4)" in exported.stderr and "float16" in exported.stderr
   _, shipped_vocab = trainer.load_drafter(shipped, ModelConfig.from_hf_dir(tiny_hf_dirs["llama"]))
   np.testing.assert_array_equal(shipped_vocab, vocab)
+  # Shrunk to the 16 of its 64 draft ids most frequent in its corpus's responses.
+  small = str(tmp_path / "small")
+  shrunk = export(f"--drafter={out}", f"--out={small}", "--draft_vocab_size=16",
+                  f"--vocab_corpora={out}/corpus.json")
+  assert shrunk.returncode == 0, shrunk.stderr[-2000:]
+  assert "16 draft ids" in shrunk.stderr
+  _, small_vocab = trainer.load_drafter(small, ModelConfig.from_hf_dir(tiny_hf_dirs["llama"]))
+  with open(os.path.join(out, "corpus.json")) as f:
+    counts = np.bincount(np.concatenate([s["response_ids"] for s in json.load(f)["samples"]]),
+                         minlength=ModelConfig.from_hf_dir(tiny_hf_dirs["llama"]).vocab_size)
+  dropped = np.setdiff1d(vocab, small_vocab)
+  assert len(small_vocab) == 16 and np.isin(small_vocab, vocab).all()
+  assert counts[small_vocab].min() >= counts[dropped].max() and counts[small_vocab].min() > 0
+  too_big = export(f"--drafter={out}", f"--out={small}", "--draft_vocab_size=65",
+                   f"--vocab_corpora={out}/corpus.json")
+  assert too_big.returncode == 2 and too_big.stderr.strip().count("\n") == 0
+  assert "--draft_vocab_size=65: the drafter in" in too_big.stderr
   onto_itself = export(f"--drafter={out}", f"--out={out}")
   assert onto_itself.returncode == 2 and onto_itself.stderr.strip().count("\n") == 0
   assert "is --drafter itself" in onto_itself.stderr

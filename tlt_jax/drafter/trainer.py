@@ -218,15 +218,20 @@ def eval_step(params: DrafterParams, target_params: transformer.Params, batch: P
 
 
 def select_draft_vocab(token_id_lists: Iterable[Sequence[int]], size: int, *,
-                       vocab_size: int) -> np.ndarray:
-  """The `size` most frequent ids (ties and unseen fill-ins by lowest id), sorted, int32."""
-  if not 1 <= size <= vocab_size:
-    raise UserInputError(f"--draft_vocab_size={size}: must be in [1, {vocab_size}]")
+                       vocab_size: int, among: np.ndarray | None = None) -> np.ndarray:
+  """The `size` most frequent ids (ties and unseen fill-ins by lowest id), sorted, int32.
+
+  among: choose only from these ids (shrinking an existing draft vocabulary)."""
+  limit = vocab_size if among is None else np.size(among)
+  if not 1 <= size <= limit:
+    raise UserInputError(f"--draft_vocab_size={size}: must be in [1, {limit}]")
   ids = np.concatenate([np.asarray(x, np.int64).reshape(-1) for x in token_id_lists]
                        + [np.zeros((0,), np.int64)])
   if ids.size and not (0 <= ids.min() and ids.max() < vocab_size):
     raise UserInputError(f"drafter corpus: token ids outside [0, {vocab_size})")
   counts = np.bincount(ids, minlength=vocab_size)
+  if among is not None:   # -1 ranks every other id after the unseen ones of `among`
+    counts = np.where(np.isin(np.arange(vocab_size), among), counts, -1)
   return np.sort(np.argsort(-counts, kind="stable")[:size]).astype(np.int32)
 
 
