@@ -262,6 +262,7 @@ def _cli(*args, timeout=240):
 
 def test_cli_trains_and_resumes(tiny_hf_dirs, tmp_path):
   out = str(tmp_path / "run")
+  tiny_config = ModelConfig.from_hf_dir(tiny_hf_dirs["llama"])
   # 20 prompts: the fewest for which one sample is held out and evaluated.
   flags = [f"--model={tiny_hf_dirs['llama']}", f"--out={out}", "--num_prompts=20",
            "--tasks=basic_arithmetic,chat", "--max_new_tokens=8", "--batch_rows=2",
@@ -284,7 +285,7 @@ def test_cli_trains_and_resumes(tiny_hf_dirs, tmp_path):
     metrics = json.load(f)
   assert metrics["step"] == 4 and [e["step"] for e in metrics["held_out_history"]] == [2, 4]
   assert np.isfinite(metrics["held_out"]["loss"]) and metrics["corpus"]["held_out_samples"] == 1
-  _, vocab = trainer.load_drafter(out, ModelConfig.from_hf_dir(tiny_hf_dirs["llama"]))
+  _, vocab = trainer.load_drafter(out, tiny_config)
   assert len(vocab) == 64
   assert os.path.isfile(os.path.join(out, "hidden_states_train.npy"))
 
@@ -297,7 +298,7 @@ def test_cli_trains_and_resumes(tiny_hf_dirs, tmp_path):
   exported = export(f"--drafter={out}", f"--out={shipped}")
   assert exported.returncode == 0, exported.stderr[-2000:]
   assert "(step 4)" in exported.stderr and "float16" in exported.stderr
-  _, shipped_vocab = trainer.load_drafter(shipped, ModelConfig.from_hf_dir(tiny_hf_dirs["llama"]))
+  _, shipped_vocab = trainer.load_drafter(shipped, tiny_config)
   np.testing.assert_array_equal(shipped_vocab, vocab)
   # Shrunk to the 16 of its 64 draft ids most frequent in its corpus's responses.
   small = str(tmp_path / "small")
@@ -305,10 +306,10 @@ def test_cli_trains_and_resumes(tiny_hf_dirs, tmp_path):
                   f"--vocab_corpora={out}/corpus.json")
   assert shrunk.returncode == 0, shrunk.stderr[-2000:]
   assert "16 draft ids" in shrunk.stderr
-  _, small_vocab = trainer.load_drafter(small, ModelConfig.from_hf_dir(tiny_hf_dirs["llama"]))
+  _, small_vocab = trainer.load_drafter(small, tiny_config)
   with open(os.path.join(out, "corpus.json")) as f:
     counts = np.bincount(np.concatenate([s["response_ids"] for s in json.load(f)["samples"]]),
-                         minlength=ModelConfig.from_hf_dir(tiny_hf_dirs["llama"]).vocab_size)
+                         minlength=tiny_config.vocab_size)
   dropped = np.setdiff1d(vocab, small_vocab)
   assert len(small_vocab) == 16 and np.isin(small_vocab, vocab).all()
   assert counts[small_vocab].min() >= counts[dropped].max() and counts[small_vocab].min() > 0
@@ -328,7 +329,7 @@ def test_cli_trains_and_resumes(tiny_hf_dirs, tmp_path):
   with open(os.path.join(again, "metrics.json")) as f:
     assert [e["step"] for e in json.load(f)["held_out_history"]] == [0, 1]
   np.testing.assert_array_equal(
-      trainer.load_drafter(again, ModelConfig.from_hf_dir(tiny_hf_dirs["llama"]))[1], vocab)
+      trainer.load_drafter(again, tiny_config)[1], vocab)
   both_ways = _cli(*flags, "--steps=5", "--resume", f"--init_from={shipped}")
   assert both_ways.returncode == 2 and "not both" in both_ways.stderr
 
