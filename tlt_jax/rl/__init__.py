@@ -1,0 +1,1 @@
+"""The RL step: advantages, losses, rewards, batching, the policy update and the learner."""
