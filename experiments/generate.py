@@ -93,10 +93,7 @@ def tokenize_prompts(prompts: list, tokenizer, vocab_size: int, chat: bool) -> l
 
 def load_spec(config, dtype, strategy_choice: dict):
   """The SD configuration from --drafter/--strategy/--sd_*; None when SD is off."""
-  import jax.numpy as jnp
-
-  from tlt_jax.drafter.trainer import load_drafter
-  from tlt_jax.rollout.engine import SpecConfig
+  from tlt_jax.drafter.trainer import speculation_config
 
   sd_flags = [f for f in ("strategy", "sd_threshold", "sd_patience", "bandit_epsilon",
                           "bandit_window", "bandit_state", "draft_temperature_ratio")
@@ -105,13 +102,10 @@ def load_spec(config, dtype, strategy_choice: dict):
     if sd_flags:
       raise UserInputError(f"--{sd_flags[0]} needs --drafter (speculative decoding is off)")
     return None
-  drafter, vocab_ids = load_drafter(_DRAFTER.value, config, dtype)
-  return SpecConfig(drafter=drafter,
-                    vocab_ids=None if vocab_ids is None else jnp.asarray(vocab_ids),
-                    threshold=_SD_THRESHOLD.value, patience=_SD_PATIENCE.value,
-                    **strategy_choice, **({} if _DRAFT_TEMPERATURE_RATIO.value is None else
-                                          dict(draft_temperature_ratio=
-                                               _DRAFT_TEMPERATURE_RATIO.value)))
+  return speculation_config(_DRAFTER.value, config, dtype, threshold=_SD_THRESHOLD.value,
+                            patience=_SD_PATIENCE.value, **strategy_choice,
+                            **({} if _DRAFT_TEMPERATURE_RATIO.value is None else
+                               dict(draft_temperature_ratio=_DRAFT_TEMPERATURE_RATIO.value)))
 
 
 def load_bandit(bandit_config):

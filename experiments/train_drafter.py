@@ -231,7 +231,9 @@ def main(argv):
   import jax.numpy as jnp
   import numpy as np
 
-  from tlt_jax.drafter import losses, packing, trainer
+  from tlt_jax import optim
+  from tlt_jax.data import packing
+  from tlt_jax.drafter import losses, trainer
   from tlt_jax.models import drafter
   from tlt_jax.models.loading import load_model
 
@@ -310,7 +312,7 @@ def main(argv):
 
   warmup = _STEPS.value // 20 if _WARMUP.value is None else _WARMUP.value
   ce_weight = losses.CE_WEIGHT if _CE_WEIGHT.value is None else _CE_WEIGHT.value
-  optimizer = trainer.make_optimizer(_LR.value, _STEPS.value, warmup)
+  optimizer = optim.make_optimizer(_LR.value, _STEPS.value, warmup)
   state = trainer.init_train_state(
       drafter.init_drafter_params(config, jax.random.key(_SEED.value)) if initial is None
       else initial, optimizer)

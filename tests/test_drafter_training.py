@@ -10,7 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tlt_jax.drafter import packing, trainer
+from tlt_jax.data import packing
+from tlt_jax import optim
+from tlt_jax.drafter import trainer
 from tlt_jax.drafter.losses import eagle_loss
 from tlt_jax.errors import UserInputError
 from tlt_jax.models import drafter, transformer
@@ -142,7 +144,7 @@ def test_reduced_vocab_loss_is_restricted_target_distribution():
 def test_training_overfits_small_corpus(target_params):
   rows = packing.pack_samples(_samples(3, 6), seq_len=64)
   vocab = jnp.asarray(trainer.select_draft_vocab([rows.tokens], 48, vocab_size=96))
-  optimizer = trainer.make_optimizer(3e-3, total_steps=30, warmup_steps=3)
+  optimizer = optim.make_optimizer(3e-3, total_steps=30, warmup_steps=3)
   state = trainer.init_train_state(drafter.init_drafter_params(CONFIG, jax.random.key(4)),
                                    optimizer)
   history = []
@@ -180,7 +182,7 @@ def test_select_draft_vocab():
 
 
 def test_save_load_round_trip(tmp_path, target_params):
-  optimizer = trainer.make_optimizer(1e-3, total_steps=4)
+  optimizer = optim.make_optimizer(1e-3, total_steps=4)
   state = trainer.init_train_state(drafter.init_drafter_params(CONFIG, jax.random.key(5)),
                                    optimizer)
   rows = packing.pack_samples(_samples(6, 3), seq_len=32)
@@ -249,7 +251,7 @@ def test_load_drafter_rejects_other_model(tmp_path):
     trainer.load_drafter(out, smaller_vocab)
   with pytest.raises(UserInputError, match="no optimizer state"):
     trainer.restore_train_state(
-        out, trainer.init_train_state(params, trainer.make_optimizer(1e-3, total_steps=2)))
+        out, trainer.init_train_state(params, optim.make_optimizer(1e-3, total_steps=2)))
   with pytest.raises(UserInputError, match="missing"):
     trainer.load_drafter(str(tmp_path), CONFIG)
 

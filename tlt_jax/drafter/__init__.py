@@ -1,1 +1,1 @@
-"""EAGLE drafter training: packing, the loss, the train step and drafter files."""
+"""EAGLE drafter training: the loss, the train step and drafter files."""

@@ -33,14 +33,13 @@ from etils import epath
 from tlt_jax.checkpoint import (check_tree_shapes, read_tree_metadata, restore_tree,
                                 save_tree)
 from tlt_jax.drafter.losses import CE_WEIGHT, eagle_loss
-from tlt_jax.drafter.packing import PackedRows
+from tlt_jax.data.packing import PackedRows
 from tlt_jax.errors import UserInputError
 from tlt_jax.models import transformer
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import (DrafterParams, draft_head, drafter_forward,
                                     init_drafter_cache, init_drafter_params)
 from tlt_jax.models.hf import atomic_output_dir
-from tlt_jax.models.kv_cache import init_cache
 
 CHECKPOINT = "checkpoint"
 STATE = "state"
@@ -79,38 +78,14 @@ def init_train_state(params: DrafterParams, optimizer: optax.GradientTransformat
   return TrainState(params=params, opt_state=optimizer.init(params), step=jnp.int32(0))
 
 
-def make_optimizer(lr: float, total_steps: int, warmup_steps: int = 0,
-                   min_lr_ratio: float = 0.1, weight_decay: float = 0.01,
-                   clip_norm: float = 1.0) -> optax.GradientTransformation:
-  """AdamW(b1 .9, b2 .95) after global-norm clipping, on a warmup + cosine schedule."""
-  if not lr > 0:
-    raise UserInputError(f"--lr={lr}: must be > 0")
-  if total_steps < 1:
-    raise UserInputError(f"--steps={total_steps}: must be >= 1")
-  if not 0 <= warmup_steps <= total_steps:
-    raise UserInputError(f"--warmup_steps={warmup_steps}: must be in [0, {total_steps}]")
-  if warmup_steps:
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=lr, warmup_steps=warmup_steps, decay_steps=total_steps,
-        end_value=lr * min_lr_ratio)
-  else:  # optax warns on a zero-step warmup
-    schedule = optax.cosine_decay_schedule(lr, total_steps, alpha=min_lr_ratio)
-  return optax.chain(optax.clip_by_global_norm(clip_norm),
-                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay))
-
-
 # ---- the step ----------------------------------------------------------------------------
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def target_hidden(target_params: transformer.Params, batch: PackedRows, *,
                   config: ModelConfig) -> jax.Array:
   """The target's post-norm hidden states [B, T, E] for packed rows, samples kept apart."""
-  # The rows attend among themselves alone: an empty cache has no slots to score or write
-  # (an empty 512-slot one doubled the attention work and wrote every K/V for nothing).
-  empty = init_cache(config, batch.tokens.shape[0], 0, target_params["embed"].dtype)
-  hidden, _, _ = transformer.forward_new_kv(target_params, config, batch.tokens,
-                                            batch.positions, empty, batch.new_mask)
-  return hidden
+  return transformer.forward_packed(target_params, config, batch.tokens, batch.positions,
+                                    batch.segment_ids)
 
 
 def _shift(x: jax.Array, k: int) -> jax.Array:
@@ -357,6 +332,16 @@ def load_drafter(drafter_dir: str, model_config: ModelConfig, dtype=jnp.float32
       raise UserInputError(f"{config_path}: target.{field} is {stored_target.get(field)}, "
                            f"the model has {model_target[field]}")
   return params, vocab_ids
+
+
+def speculation_config(drafter_dir: str, model_config: ModelConfig, dtype=jnp.float32,
+                       **spec_fields) -> "SpecConfig":
+  """The rollout's SD configuration around the drafter in `drafter_dir`; `spec_fields` are
+  SpecConfig's other fields (strategy or bandit, threshold, patience, ...)."""
+  from tlt_jax.rollout.engine import SpecConfig
+  drafter, vocab_ids = load_drafter(drafter_dir, model_config, dtype)
+  return SpecConfig(drafter=drafter, vocab_ids=None if vocab_ids is None else jnp.asarray(vocab_ids),
+                    **spec_fields)
 
 
 def restore_train_state(drafter_dir: str, template: TrainState) -> TrainState:

@@ -220,8 +220,9 @@ def atomic_output_dir(out_dir: str, overwrite: bool = False) -> Iterator[str]:
 
 
 def save_hf_dir(params: dict[str, Any], config: ModelConfig, out_dir: str,
-                overwrite: bool = False) -> None:
-  """Writes config.json + model.safetensors that transformers loads as-is."""
+                overwrite: bool = False, tokenizer: Any = None) -> None:
+  """Writes config.json + model.safetensors that transformers loads as-is, plus the
+  tokenizer's files when one is given (`Tokenizer.save`), all or nothing."""
   host = jax.device_get(params)
   got = jax.tree.map(lambda x: x.shape, host)
   if got != param_shapes(config):
@@ -235,3 +236,5 @@ def save_hf_dir(params: dict[str, Any], config: ModelConfig, out_dir: str,
       json.dump(config.to_hf_dict(), f, indent=2)
     safetensors.numpy.save_file(tensors, os.path.join(tmp, SAFETENSORS),
                                 metadata={"format": "pt"})
+    if tokenizer is not None:
+      tokenizer.save(tmp)

@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tlt_jax.data.packing import block_causal_mask
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.kv_cache import KVCache
+from tlt_jax.models.kv_cache import KVCache, init_cache
 from tlt_jax.models.rope import apply_rope, inverse_frequencies
 from tlt_jax.pallas.tree_attention import resolve_impl, tree_attention
 from tlt_jax.sharding.rules import MeshRules, constrain
@@ -148,7 +149,7 @@ def _layer(config: ModelConfig, inv_freq: np.ndarray, rules: MeshRules | None,
 def run_layers_new_kv(layers: Params, config: ModelConfig, x: jax.Array, positions: jax.Array,
                       cache: KVCache, new_mask: jax.Array | None = None,
                       rules: MeshRules | None = None, cache_mask: jax.Array | None = None,
-                      attention_impl: str = "auto"
+                      attention_impl: str = "auto", remat: bool = False
                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Runs a stack of decoder layers on embeddings x [B, T, E] against a read-only cache
   with one entry per layer; returns (x, new_k, new_v), the new K/V as [L, B, T, K, D].
@@ -159,6 +160,8 @@ def run_layers_new_kv(layers: Params, config: ModelConfig, x: jax.Array, positio
   tree over several calls passes a cache_mask that also shows uncommitted ancestors
   written by earlier calls, but not their siblings.
   attention_impl picks the attention kernel (see `tlt_jax.pallas.tree_attention`).
+  remat recomputes each layer's activations in the backward pass instead of keeping them
+  (training memory: one layer's activations instead of every layer's).
   """
   b, t, _ = x.shape
   new_mask = causal_mask(b, t) if new_mask is None else new_mask
@@ -172,6 +175,8 @@ def run_layers_new_kv(layers: Params, config: ModelConfig, x: jax.Array, positio
                      layer_values, positions, cache_mask, new_mask)
     return x, (k, v)
 
+  if remat:
+    body = jax.checkpoint(body)
   x, (new_k, new_v) = jax.lax.scan(body, x, (layers, cache.k, cache.v))
   return x, new_k, new_v
 
@@ -197,6 +202,22 @@ def forward_new_kv(params: Params, config: ModelConfig, tokens: jax.Array,
   x, new_k, new_v = run_layers_new_kv(params["layers"], config, x, positions, cache, new_mask,
                                       rules, attention_impl=attention_impl)
   return rms_norm(x, params["final_norm"], config.rms_norm_eps), new_k, new_v
+
+
+def forward_packed(params: Params, config: ModelConfig, tokens: jax.Array,
+                   positions: jax.Array, segment_ids: jax.Array, rules: MeshRules | None = None,
+                   remat: bool = False) -> jax.Array:
+  """Post-norm hidden states [R, T, E] of packed training rows: each sample (segment id)
+  sees only its own earlier tokens, positions restart per sample.
+
+  The rows attend among themselves alone: an empty cache has no slots to score or write.
+  The attention is the jnp one: training differentiates through it, kernels have no VJP."""
+  empty = init_cache(config, tokens.shape[0], 0, params["embed"].dtype)
+  x = constrain(embed_tokens(params, tokens), ("batch", None, "act_embed"), rules)
+  x, _, _ = run_layers_new_kv(params["layers"], config, x, positions, empty,
+                              block_causal_mask(segment_ids), rules,
+                              attention_impl="reference", remat=remat)
+  return rms_norm(x, params["final_norm"], config.rms_norm_eps)
 
 
 def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,

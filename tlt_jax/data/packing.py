@@ -1,6 +1,6 @@
-"""Packs variable-length samples into fixed [rows, seq_len] drafter training rows.
+"""Packs variable-length samples into fixed [rows, seq_len] training rows (drafter and policy).
 
-Fixed shapes keep the train step to one compiled program. Each sample in a row keeps its
+Fixed shapes keep a train step to one compiled program per row count. Each sample in a row keeps its
 own segment id, its positions restart at 0 and attention is block-diagonal causal, so a
 packed row computes exactly what each sample would alone (the reference implementation let
 packed samples attend to one another). Pure numpy: packing runs on the host.
@@ -48,6 +48,24 @@ def response_slots(length: int, prompt_len: int) -> range:
   return range(max(prompt_len - 1, 0), length - 1)
 
 
+def place_samples(lengths: Sequence[int], seq_len: int) -> list[list[tuple[int, int]]]:
+  """First-fit decreasing: rows of (sample index, start slot); every length <= seq_len.
+
+  Longest first (ties keep their order), so the layout is deterministic in the lengths."""
+  order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+  rows: list[list[tuple[int, int]]] = []
+  used: list[int] = []
+  for i in order:
+    slot = next((r for r, taken in enumerate(used) if taken + lengths[i] <= seq_len), None)
+    if slot is None:
+      rows.append([])
+      used.append(0)
+      slot = len(rows) - 1
+    rows[slot].append((i, used[slot]))
+    used[slot] += lengths[i]
+  return rows
+
+
 def pack_samples(samples: Sequence[tuple[Sequence[int], int]], seq_len: int) -> PackedRows:
   """Packs (token_ids, prompt_len) samples first-fit, longest first.
 
@@ -63,19 +81,8 @@ def pack_samples(samples: Sequence[tuple[Sequence[int], int]], seq_len: int) -> 
       kept.append((ids, prompt_len))
   if not kept:
     raise UserInputError("drafter corpus: no sample has a response token to train on")
-  kept.sort(key=lambda s: -len(s[0]))  # stable: equal lengths keep their order
-
-  rows: list[list[tuple[list[int], int]]] = []
-  free: list[int] = []
-  for sample in kept:
-    n = len(sample[0])
-    slot = next((r for r, room in enumerate(free) if room >= n), None)
-    if slot is None:
-      rows.append([])
-      free.append(seq_len)
-      slot = len(rows) - 1
-    rows[slot].append(sample)
-    free[slot] -= n
+  placement = place_samples([len(ids) for ids, _ in kept], seq_len)
+  rows = [[kept[i] for i, _ in row] for row in placement]
 
   shape = (len(rows), seq_len)
   tokens, positions, segment_ids = (np.zeros(shape, np.int32) for _ in range(3))

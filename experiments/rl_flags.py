@@ -1,0 +1,268 @@
+"""The flags of `experiments.run` and what they build: model, data, rewards, rollout, loss,
+optimizer and the learner. Every value is checked, one clear line each, before the model
+loads or any long work starts."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Any
+
+from absl import flags
+
+from tlt_jax.errors import UserInputError
+
+# ---- model and data
+_MODEL = flags.DEFINE_string("model", "smollm2", "Policy: HF dir, converted checkpoint dir, "
+                             ".gguf file, or 'smollm2' (bundled SmolLM2-135M-Instruct).")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Params and compute "
+                           "dtype (CPU: keep float32, bfloat16 is slower there).")
+_TASKS = flags.DEFINE_string("tasks", None, "reasoning-gym tasks, mixed: "
+                             "'task[:key=value,...][;task...]'.")
+_TRAIN_FILE = flags.DEFINE_string("train_file", None, "JSONL or parquet prompts in the RL "
+                                  "schema (prompt, reward_model.ground_truth, data_source).")
+_VAL_FILE = flags.DEFINE_string("val_file", None, "Held-out prompts (same schema).")
+_NUM_TRAIN = flags.DEFINE_integer("num_train", 2048, "Training prompts generated (--tasks).")
+_NUM_VAL = flags.DEFINE_integer("num_val", 64, "Held-out prompts (generated, or held out of "
+                                "--train_file) when there is no --val_file.")
+_MAX_PROMPT_LEN = flags.DEFINE_integer("max_prompt_len", 128, "Longer prompts are dropped "
+                                       "(counted).")
+_ON_BAD_ROW = flags.DEFINE_enum("on_bad_row", "fail", ["fail", "skip"], "A data file row with a "
+                                "missing or malformed field: stop, or skip and count it.")
+# ---- rewards
+_REWARD = flags.DEFINE_string("reward", "reasoning_gym", "Registered reward name "
+                              "(math_verify, reasoning_gym, ...) or module.path:function.")
+_FORMAT_WEIGHT = flags.DEFINE_float("format_weight", 0.0, "Weight of the format reward.")
+_REWARD_WORKERS = flags.DEFINE_integer("reward_workers", 2, "Reward processes.", lower_bound=1)
+_REWARD_TIMEOUT = flags.DEFINE_float("reward_timeout_s", 10.0, "Per-item scoring limit; a "
+                                     "timeout scores 0 (counted in reward/timeouts).")
+# ---- rollout
+_PROMPTS = flags.DEFINE_integer("prompts_per_step", 8, "Prompts per RL step.", lower_bound=1)
+_GROUP = flags.DEFINE_integer("group_size", 4, "Samples per prompt (the GRPO group).",
+                              lower_bound=1)
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Response length cap.", lower_bound=1)
+_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Rollout temperature.")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "Rollout nucleus mass.")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "Rollout top-k; 0 disables.")
+_DRAFTER = flags.DEFINE_string("drafter", None, "Drafter dir: speculative decoding for the "
+                               "rollout's tail (lossless).")
+_STRATEGY = flags.DEFINE_string("strategy", "4_1_5", "SD strategy DEPTH_TOPK_VERIFY, or a "
+                                "comma-separated pool for the BEG-MAB bandit.")
+_SD_THRESHOLD = flags.DEFINE_integer("sd_threshold", 32, "SD on at <= this many live rows ...")
+_SD_PATIENCE = flags.DEFINE_integer("sd_patience", 10, "... for this many decode steps.")
+_ATTENTION = flags.DEFINE_enum("attention_impl", "auto", ["auto", "reference", "pallas",
+                                                          "triton"], "Rollout attention kernel.")
+# ---- algorithm
+_ADVANTAGE = flags.DEFINE_string("advantage", "grpo", "grpo | dr_grpo (no std division).")
+_ADV_EPS = flags.DEFINE_float("adv_eps", 1e-6, "Added to the group std.")
+_CLIP_LOW = flags.DEFINE_float("clip_ratio_low", 0.2, "PPO clip below 1.")
+_CLIP_HIGH = flags.DEFINE_float("clip_ratio_high", 0.2, "PPO clip above 1 (DAPO: 0.28).")
+_CLIP_C = flags.DEFINE_float("clip_ratio_c", None, "Dual-clip constant (> 1); unset: off.")
+_KL_COEF = flags.DEFINE_float("kl_coef", 0.0, "KL-to-reference loss weight; 0 keeps no "
+                              "reference model.")
+_KL_ESTIMATOR = flags.DEFINE_string("kl_estimator", "k3", "k1 | k2 | k3.")
+_ENTROPY_COEF = flags.DEFINE_float("entropy_coef", 0.0, "Entropy bonus weight.")
+_LOSS_AGG = flags.DEFINE_string("loss_agg_mode", "token_mean", "token_mean | "
+                                "seq_mean_token_mean | seq_mean_token_sum | "
+                                "seq_mean_token_sum_norm.")
+_TIS_CAP = flags.DEFINE_float("tis_cap", None, "Truncated importance sampling cap on "
+                              "exp(old - rollout log-prob); unset: off.")
+_OVERLONG = flags.DEFINE_string("overlong", "none", "none | soft_penalty | mask (truncated "
+                                "responses out of the loss).")
+_OVERLONG_BUFFER = flags.DEFINE_integer("overlong_buffer_len", 32, "Soft penalty ramp length.")
+_OVERLONG_FACTOR = flags.DEFINE_float("overlong_penalty_factor", 1.0, "Soft penalty at the cap.")
+_DYNAMIC = flags.DEFINE_bool("dynamic_sampling", False, "DAPO: drop groups with equal rewards "
+                             "and draw more prompts to refill the batch.")
+_MAX_BATCHES = flags.DEFINE_integer("max_rollout_batches", 4, "Dynamic sampling: prompt "
+                                    "batches drawn per step at most.", lower_bound=1)
+# ---- update
+_PPO_EPOCHS = flags.DEFINE_integer("ppo_epochs", 1, "Passes over a step's responses.")
+_MINI_BATCHES = flags.DEFINE_integer("num_mini_batches", 1, "Optimizer steps per pass.")
+_MICRO_ROWS = flags.DEFINE_integer("micro_batch_rows", 8, "Packed rows per micro-batch "
+                                   "(gradients accumulate over micro-batches).")
+_TRAIN_SEQ_LEN = flags.DEFINE_integer("train_seq_len", 0, "Packed row length; 0: "
+                                      "max_prompt_len + max_new_tokens rounded up to 64.")
+_REMAT = flags.DEFINE_bool("remat", False, "Recompute layer activations in the backward pass.")
+_LR = flags.DEFINE_float("lr", 1e-6, "Peak learning rate (AdamW).")
+_LR_SCHEDULE = flags.DEFINE_string("lr_schedule", "constant", "constant | cosine (after "
+                                   "warm-up).")
+_WARMUP = flags.DEFINE_integer("warmup_steps", 0, "Linear warm-up, in optimizer steps.")
+_WEIGHT_DECAY = flags.DEFINE_float("weight_decay", 0.01, "AdamW weight decay.")
+_GRAD_CLIP = flags.DEFINE_float("grad_clip", 1.0, "Global-norm gradient clipping.")
+_ADAM_B2 = flags.DEFINE_float("adam_b2", 0.999, "AdamW beta2.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of data order, rollouts and updates.")
+
+# Flags that may change when a run resumes; every other must match the checkpoint's.
+RESUMABLE_CHANGES = ("steps", "run_dir", "resume", "checkpoint_every", "keep_checkpoints",
+                     "eval_every", "export_hf", "reward_workers", "reward_timeout_s", "flagfile")
+
+
+def check_run_dir(run_dir: str) -> None:
+  """The run dir exists (made if missing) and takes files, before anything long starts."""
+  try:
+    os.makedirs(run_dir, exist_ok=True)
+    probe = os.path.join(run_dir, ".write_probe")
+    with open(probe, "w") as f:
+      f.write("ok")
+    os.unlink(probe)
+  except OSError as e:
+    raise UserInputError(f"--run_dir={run_dir}: not writable ({e.strerror or e})") from None
+
+
+def run_flags() -> dict[str, Any]:
+  """Every flag this module defines, by name: what a checkpoint records."""
+  return {f.name: f.value for f in flags.FLAGS.get_flags_for_module(__name__)}
+
+
+def rollout_spec(config, dtype):
+  """SD for the rollout's tail from --drafter / --strategy / --sd_*; None without a drafter."""
+  from tlt_jax.drafter.trainer import speculation_config
+  from tlt_jax.rollout.bandit import BanditConfig, StrategyBandit, parse_strategies
+
+  if _DRAFTER.value is None:
+    return None
+  strategies = parse_strategies(_STRATEGY.value)
+  choice = ({"strategy": strategies[0]} if len(strategies) == 1 else
+            {"bandit": StrategyBandit(BanditConfig(strategies, seed=_SEED.value))})
+  return speculation_config(_DRAFTER.value, config, dtype, threshold=_SD_THRESHOLD.value,
+                            patience=_SD_PATIENCE.value, **choice)
+
+
+@dataclasses.dataclass
+class Run:
+  learner: Any
+  val_items: list
+  model: Any
+  spec: Any
+  data_counts: dict
+
+  def describe(self) -> str:
+    sd = f", SD {_STRATEGY.value} below {_SD_THRESHOLD.value} rows" if self.spec else ""
+    return (f"{_MODEL.value} on {self.data_counts['num_train']} prompts "
+            f"({_PROMPTS.value} x {_GROUP.value} per step, <= {_MAX_NEW.value} tokens{sd})")
+
+  def checkpoint_meta(self, history: list) -> dict[str, Any]:
+    bandit = self.spec.bandit if self.spec is not None else None
+    return {"stream": self.learner.stream.state(), "history": history,
+            "bandit": bandit.state_dict() if bandit is not None else None,
+            "flags": run_flags()}
+
+  def check_resumable(self, meta: dict[str, Any]) -> None:
+    saved, now = meta.get("flags", {}), run_flags()
+    for name in sorted(saved.keys() | now.keys()):
+      if name not in RESUMABLE_CHANGES and saved.get(name) != now.get(name):
+        raise UserInputError(f"--{name}={now.get(name)!r}: the checkpoint was trained with "
+                             f"{saved.get(name)!r}; resume with the same flag")
+
+  def restore_bandit(self, state: dict | None) -> None:
+    """What the bandit had learned by the checkpoint (its choices go on from there)."""
+    from tlt_jax.rollout.bandit import StrategyBandit
+    if state is None or self.spec is None or self.spec.bandit is None:
+      return
+    bandit = StrategyBandit.from_state_dict(self.spec.bandit.config, state)
+    self.spec = dataclasses.replace(self.spec, bandit=bandit)
+    self.learner.rollout = dataclasses.replace(self.learner.rollout, spec=self.spec)
+
+  def export_hf(self, params, out_dir: str) -> None:
+    from tlt_jax.models.hf import save_hf_dir
+    save_hf_dir(params, self.model.config, out_dir, overwrite=True,
+                tokenizer=self.model.tokenizer)
+
+
+def algorithm_configs():
+  """The frozen configs of the step's algorithm, from flags (cheap: checked first)."""
+  from tlt_jax.rl.config import AdvantageConfig, LossConfig, OverlongConfig
+  from tlt_jax.rollout.sampling import SamplingParams
+
+  return dict(
+      advantage=AdvantageConfig(mode=_ADVANTAGE.value, eps=_ADV_EPS.value),
+      loss=LossConfig(clip_ratio_low=_CLIP_LOW.value, clip_ratio_high=_CLIP_HIGH.value,
+                      clip_ratio_c=_CLIP_C.value, kl_coef=_KL_COEF.value,
+                      kl_estimator=_KL_ESTIMATOR.value, entropy_coef=_ENTROPY_COEF.value,
+                      loss_agg_mode=_LOSS_AGG.value, tis_cap=_TIS_CAP.value),
+      overlong=OverlongConfig(mode=_OVERLONG.value, buffer_len=_OVERLONG_BUFFER.value,
+                              penalty_factor=_OVERLONG_FACTOR.value),
+      sampling=SamplingParams(temperature=_TEMPERATURE.value, top_p=_TOP_P.value,
+                              top_k=_TOP_K.value))
+
+
+def build_run(total_steps: int) -> Run:
+  """Checks every flag, then loads the model, data, drafter and reward workers."""
+  import jax
+  import jax.numpy as jnp
+
+  from tlt_jax import optim
+  from tlt_jax.data.rl_data import PromptStream, build_rl_data, parse_task_spec
+  from tlt_jax.models.loading import load_model
+  from tlt_jax.rl.learner import Learner, StepConfig
+  from tlt_jax.rl.rewards import RewardPool, RewardSpec
+  from tlt_jax.rl.rollout import RolloutSettings
+  from tlt_jax.rl.update import UpdateConfig, UpdateContext, init_policy_state
+  from tlt_jax.rollout.buckets import round_up
+
+  if total_steps < 1:
+    raise UserInputError(f"--steps={total_steps}: must be >= 1")
+  algo = algorithm_configs()
+  reward_spec = RewardSpec(_REWARD.value, format_weight=_FORMAT_WEIGHT.value)
+  if not _REWARD_TIMEOUT.value > 0:
+    raise UserInputError(f"--reward_timeout_s={_REWARD_TIMEOUT.value}: must be > 0")
+  if _TASKS.value is not None:
+    parse_task_spec(_TASKS.value)
+  for flag in (_TRAIN_FILE, _VAL_FILE):
+    if flag.value is not None and not os.path.isfile(flag.value):
+      raise UserInputError(f"--{flag.name}={flag.value}: no such file")
+  if _DRAFTER.value is not None and not os.path.isdir(_DRAFTER.value):
+    raise UserInputError(f"--drafter={_DRAFTER.value}: no such directory")
+  seq_len = _TRAIN_SEQ_LEN.value or round_up(_MAX_PROMPT_LEN.value + _MAX_NEW.value, 64)
+  if seq_len < _MAX_PROMPT_LEN.value + _MAX_NEW.value:
+    raise UserInputError(f"--train_seq_len={seq_len}: shorter than --max_prompt_len + "
+                         f"--max_new_tokens ({_MAX_PROMPT_LEN.value + _MAX_NEW.value})")
+  update_config = UpdateConfig(ppo_epochs=_PPO_EPOCHS.value, num_mini_batches=_MINI_BATCHES.value,
+                               micro_batch_rows=_MICRO_ROWS.value, train_seq_len=seq_len,
+                               remat=_REMAT.value)
+  optimizer_steps = total_steps * update_config.updates_per_step
+  schedule = optim.learning_rate_schedule(_LR.value, optimizer_steps, _WARMUP.value,
+                                          schedule=_LR_SCHEDULE.value)
+  optimizer = optim.make_optimizer(_LR.value, optimizer_steps, _WARMUP.value,
+                                   weight_decay=_WEIGHT_DECAY.value, clip_norm=_GRAD_CLIP.value,
+                                   b2=_ADAM_B2.value, schedule=_LR_SCHEDULE.value)
+
+  dtype = jnp.dtype(_DTYPE.value)
+  print(f"loading {_MODEL.value} ...", file=sys.stderr)
+  model = load_model(_MODEL.value, dtype=dtype)
+  tokenizer = model.require_tokenizer()
+  data = build_rl_data(tokenizer=tokenizer, max_prompt_len=_MAX_PROMPT_LEN.value,
+                       seed=_SEED.value, tasks=_TASKS.value, train_file=_TRAIN_FILE.value,
+                       val_file=_VAL_FILE.value, num_train=_NUM_TRAIN.value,
+                       num_val=_NUM_VAL.value, on_bad_row=_ON_BAD_ROW.value)
+  counts = data.counts
+  print(f"data: {counts['num_train']} train / {counts['num_val']} val prompts "
+        f"({counts['train_filtered'] + counts['val_filtered']} over --max_prompt_len, "
+        f"{counts['train_skipped'] + counts['val_skipped']} bad rows skipped)", file=sys.stderr)
+  if _PROMPTS.value > counts["num_train"]:
+    raise UserInputError(f"--prompts_per_step={_PROMPTS.value}: more than the "
+                         f"{counts['num_train']} training prompts")
+  stream = PromptStream(data.train, _PROMPTS.value, _SEED.value)
+  spec = rollout_spec(model.config, dtype)
+  eos_ids = tuple(sorted(set(model.config.eos_token_ids) | set(tokenizer.eos_token_ids)))
+  rollout = RolloutSettings(group_size=_GROUP.value, max_new_tokens=_MAX_NEW.value,
+                            sampling=algo["sampling"], eos_ids=eos_ids, spec=spec,
+                            attention_impl=_ATTENTION.value)
+  context = UpdateContext(config=model.config, sampling=algo["sampling"], loss=algo["loss"],
+                          update=update_config, optimizer=optimizer, learning_rate=schedule,
+                          max_response_len=_MAX_NEW.value)
+  # The reference is a copy: the policy's buffers are donated to each update.
+  ref_params = (jax.tree.map(jnp.copy, model.params) if algo["loss"].uses_reference else None)
+  state = init_policy_state(model.params, optimizer)
+  rewards = RewardPool(reward_spec, num_workers=_REWARD_WORKERS.value,
+                       timeout_s=_REWARD_TIMEOUT.value)
+  learner = Learner(config=model.config, tokenizer=tokenizer, state=state,
+                    ref_params=ref_params, stream=stream, rollout=rollout,
+                    step_config=StepConfig(prompts_per_step=_PROMPTS.value,
+                                           advantage=algo["advantage"],
+                                           overlong=algo["overlong"],
+                                           dynamic_sampling=_DYNAMIC.value,
+                                           max_rollout_batches=_MAX_BATCHES.value,
+                                           seed=_SEED.value),
+                    update=context, rewards=rewards)
+  return Run(learner=learner, val_items=data.val, model=model, spec=spec, data_counts=counts)

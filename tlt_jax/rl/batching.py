@@ -1,0 +1,149 @@
+"""Training rows for the policy: a step's responses packed into fixed [rows, seq_len] rows.
+
+Padding is pure waste on a FLOP-bound trainer, so (prompt + response) samples are packed
+first-fit (`data.packing.place_samples`) with segment ids; slot j of a row scores the token
+at j + 1, so a response token k of a sample starting at slot s with prompt length p is
+scored at slot s + p - 1 + k. Per-token fields (advantages, log-probs, weights) live on
+the host per sequence and are scattered into whichever layout a pass uses, so the old and
+reference log-probs computed over one layout serve mini-batches packed another way.
+Micro-batches are `micro_rows` rows; the last is padded to a power of two, so the train
+programs are keyed by a small, known set of row counts.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator, Sequence
+
+import flax.struct
+import numpy as np
+
+from tlt_jax.data.packing import place_samples
+from tlt_jax.errors import UserInputError
+
+
+@flax.struct.dataclass
+class TrainRows:
+  """One micro-batch of packed rows; every per-token field is at the scoring slot."""
+  tokens: np.ndarray          # [R, T] int32
+  positions: np.ndarray       # [R, T] int32, restart at 0 per sample
+  segment_ids: np.ndarray     # [R, T] int32, 0 on padding
+  advantages: np.ndarray      # [R, T] float32
+  old_logp: np.ndarray        # [R, T] float32: the ratio's denominator
+  rollout_logp: np.ndarray    # [R, T] float32: what the rollout engine reported
+  ref_logp: np.ndarray        # [R, T] float32: reference policy (zeros without KL)
+  loss_weights: np.ndarray    # [R, T] float32: aggregation weight, 0 outside the loss
+  metric_weights: np.ndarray  # [R, T] float32: mask / tokens in the mini-batch
+
+
+@dataclasses.dataclass(frozen=True)
+class Sequences:
+  """A step's samples on the host: prompt + response ids and per-response-token values."""
+  prompts: Sequence[Sequence[int]]
+  responses: Sequence[Sequence[int]]
+
+  def __post_init__(self):
+    if len(self.prompts) != len(self.responses):
+      raise ValueError("Sequences: one prompt per response")
+
+  def __len__(self) -> int:
+    return len(self.responses)
+
+  def length(self, i: int) -> int:
+    return len(self.prompts[i]) + len(self.responses[i])
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Where each sample of `indices` (indices into a `Sequences`) sits: row and start."""
+  indices: tuple[int, ...]
+  rows: np.ndarray     # [n] row of each sample
+  starts: np.ndarray   # [n] first slot of each sample
+  num_rows: int
+  seq_len: int
+
+
+def pack(sequences: Sequences, indices: Sequence[int], seq_len: int) -> Layout:
+  """Places samples `indices` first-fit into rows of `seq_len` slots."""
+  lengths = [sequences.length(i) for i in indices]
+  too_long = [i for i, n in zip(indices, lengths) if n > seq_len]
+  if too_long:
+    raise UserInputError(f"training rows: sample {too_long[0]} has "
+                         f"{sequences.length(too_long[0])} tokens, more than the row length "
+                         f"{seq_len} (raise --train_seq_len)")
+  rows, starts = np.zeros(len(indices), np.int64), np.zeros(len(indices), np.int64)
+  placement = place_samples(lengths, seq_len)
+  for r, row in enumerate(placement):
+    for k, start in row:
+      rows[k], starts[k] = r, start
+  return Layout(tuple(indices), rows, starts, len(placement), seq_len)
+
+
+def response_slots(layout: Layout, sequences: Sequences, k: int) -> np.ndarray:
+  """Flat slots (row * seq_len + slot) that score sample k's response tokens."""
+  i = layout.indices[k]
+  first = layout.rows[k] * layout.seq_len + layout.starts[k] + len(sequences.prompts[i]) - 1
+  return first + np.arange(len(sequences.responses[i]))
+
+
+def row_counts(num_rows: int, micro_rows: int) -> list[int]:
+  """Padded row counts of the micro-batches covering `num_rows` rows."""
+  full, rest = divmod(num_rows, micro_rows)
+  counts = [micro_rows] * full
+  if rest:
+    counts.append(min(micro_rows, 1 << (rest - 1).bit_length()))
+  return counts
+
+
+def possible_row_counts(micro_rows: int) -> list[int]:
+  """Every row count `row_counts` can produce: the train programs' batch shapes."""
+  counts = {micro_rows}
+  size = 1
+  while size < micro_rows:
+    counts.add(size)
+    size *= 2
+  return sorted(counts)
+
+
+def micro_batches(layout: Layout, sequences: Sequences, micro_rows: int,
+                  per_token: dict[str, Sequence[np.ndarray]],
+                  per_sequence: dict[str, np.ndarray]) -> Iterator[TrainRows]:
+  """The layout's rows as TrainRows micro-batches.
+
+  per_token: field -> one array per sequence (aligned with its response tokens);
+  per_sequence: field -> [num sequences] values broadcast over the response tokens."""
+  counts = row_counts(layout.num_rows, micro_rows)
+  total = sum(counts)
+  shape = (total, layout.seq_len)
+  tokens, positions, segments = (np.zeros(shape, np.int32) for _ in range(3))
+  fields = {name: np.zeros(shape, np.float32) for name in TrainRows.__dataclass_fields__
+            if name not in ("tokens", "positions", "segment_ids")}
+  flat = {name: a.reshape(-1) for name, a in fields.items()}
+  for k, i in enumerate(layout.indices):
+    r, s, n = layout.rows[k], layout.starts[k], sequences.length(i)
+    tokens[r, s:s + n] = np.concatenate([sequences.prompts[i], sequences.responses[i]])
+    positions[r, s:s + n] = np.arange(n)
+    # Segment ids only need to differ between neighbours of a row: the sample's rank in it.
+    segments[r, s:s + n] = k + 1
+    slots = response_slots(layout, sequences, k)
+    for name, values in per_token.items():
+      flat[name][slots] = values[i]
+    for name, values in per_sequence.items():
+      flat[name][slots] = values[i]
+  start = 0
+  for count in counts:
+    rows = slice(start, start + count)
+    yield TrainRows(tokens=tokens[rows], positions=positions[rows],
+                    segment_ids=segments[rows],
+                    **{name: a[rows] for name, a in fields.items()})
+    start += count
+
+
+def gather_response_values(layout: Layout, sequences: Sequences,
+                           row_values: Sequence[np.ndarray]) -> list[np.ndarray]:
+  """Inverse of the scatter: per-slot values of the micro-batches (in order) -> one array
+  per sequence of `layout`, indexed by sequence (others None)."""
+  flat = np.concatenate([np.asarray(v).reshape(-1) for v in row_values])
+  out: list[np.ndarray | None] = [None] * len(sequences)
+  for k, i in enumerate(layout.indices):
+    out[i] = flat[response_slots(layout, sequences, k)]
+  return out

@@ -1,0 +1,243 @@
+"""The RL step: rollout -> rewards -> advantages -> reference log-probs -> update -> sync.
+
+`Learner.step` reads top to bottom as that data flow; each stage is a small module of
+tlt_jax/rl. The learner owns the mutable side of a run (policy state, prompt stream,
+bandit), everything it needs to checkpoint and resume.
+"""
+from __future__ import annotations
+
+import dataclasses
+import resource
+import sys
+import time
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.tokenizer import Tokenizer
+from tlt_jax.models.transformer import Params
+from tlt_jax.rl import advantages as adv
+from tlt_jax.rl.batching import Sequences
+from tlt_jax.rl.config import AdvantageConfig, OverlongConfig
+from tlt_jax.rl.rewards import RewardItem, RewardPool
+from tlt_jax.rl.rollout import GroupRollouts, RolloutSettings, concat_rollouts, sample_groups
+from tlt_jax.rl.update import (PolicyState, UpdateContext, compiled_programs, score_sequences,
+                               update_policy)
+from tlt_jax.rollout import engine
+from tlt_jax.rollout.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+  """What one RL step does besides the model: how many prompts, how groups are scored and
+  filtered."""
+  prompts_per_step: int
+  advantage: AdvantageConfig = AdvantageConfig()
+  overlong: OverlongConfig = OverlongConfig()
+  dynamic_sampling: bool = False
+  max_rollout_batches: int = 4       # DAPO: generation batches drawn per step at most
+  seed: int = 0
+
+
+@dataclasses.dataclass
+class ScoredGroups:
+  rollouts: GroupRollouts
+  rewards: np.ndarray        # [P, G] what the advantages see (shaping included)
+  accuracy: np.ndarray       # [P, G] task correctness alone
+  items: list                # the prompts' data items, one per group
+  timeouts: int = 0
+  errors: int = 0
+  first_error: str | None = None
+
+
+def peak_rss_gib() -> float:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+
+
+class Learner:
+  """One run's state and stages. `step(n)` runs RL step n (1-based)."""
+
+  def __init__(self, *, config: ModelConfig, tokenizer: Tokenizer, state: PolicyState,
+               ref_params: Params | None, stream, rollout: RolloutSettings,
+               step_config: StepConfig, update: UpdateContext, rewards: RewardPool):
+    self.config, self.tokenizer = config, tokenizer
+    self.state, self.ref_params, self.stream = state, ref_params, stream
+    self.rollout, self.step_config, self.update = rollout, step_config, update
+    self.rewards = rewards
+    self.rollout_params = state.params
+
+  # ---- the step -------------------------------------------------------------------------
+
+  def step(self, step: int) -> dict[str, Any]:
+    record: dict[str, Any] = {"step": step}
+    start = time.perf_counter()
+    programs_before = engine.compiled_programs() + compiled_programs()
+
+    scored = self.collect_groups(step, record)                     # rollout + rewards
+    group_size = self.rollout.group_size
+    advantages = adv.group_advantages(scored.rewards, self.step_config.advantage)
+    batch = scored.rollouts
+    sequences = Sequences(batch.prompts, batch.responses)
+    in_loss = self.loss_mask(batch)
+
+    t = time.perf_counter()                                        # reference log-probs
+    ref_logp = (score_sequences(self.ref_params, sequences, self.update)
+                if self.update.loss.uses_reference else None)
+    record["timing/reference_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()                                        # policy update
+    self.state, update_metrics = update_policy(
+        self.state, sequences, advantages.reshape(-1), batch.logprobs, ref_logp, in_loss,
+        self.update, seed=self.step_seed(step, "update"))
+    jax.block_until_ready(self.state.params)
+    record["timing/train_s"] = time.perf_counter() - t
+    record.update(update_metrics)
+
+    t = time.perf_counter()                                        # weight sync
+    self.rollout_params = self.sync_weights(self.state.params)
+    record["timing/sync_s"] = time.perf_counter() - t
+
+    record.update(self.batch_metrics(scored, group_size))
+    record["actor/lr"] = float(self.learning_rate())
+    record["compile/programs"] = engine.compiled_programs() + compiled_programs()
+    record["compile/new_programs"] = record["compile/programs"] - programs_before
+    record["timing/step_s"] = time.perf_counter() - start
+    trained = int(sum(len(p) + len(r) for p, r in zip(batch.prompts, batch.responses)))
+    record["perf/tokens_per_s"] = trained / record["timing/step_s"]
+    record["perf/train_tokens"] = trained
+    record["mem/peak_rss_gib"] = peak_rss_gib()
+    return record
+
+  # ---- stages ---------------------------------------------------------------------------
+
+  def collect_groups(self, step: int, record: dict[str, Any]) -> ScoredGroups:
+    """Rollout and rewards; with DAPO dynamic sampling, more prompt batches are drawn until
+    `prompts_per_step` groups have unequal rewards, or `max_rollout_batches` is hit and the
+    batch is topped up with uninformative (zero-advantage) groups."""
+    cfg = self.step_config
+    fill = adv.GroupFill(target_groups=cfg.prompts_per_step,
+                         max_draws=cfg.max_rollout_batches if cfg.dynamic_sampling else 1)
+    draws: list[ScoredGroups] = []
+    rollout_s = reward_s = 0.0
+    while not fill.done:
+      items = self.stream.next_batch()
+      t = time.perf_counter()
+      rollouts = sample_groups(self.rollout_params, self.config, [i.prompt_ids for i in items],
+                               self.rollout, seed=self.step_seed(step, f"rollout{len(draws)}"))
+      rollout_s += time.perf_counter() - t
+      if not draws:
+        record.update(rollout_stats(rollouts.stats))
+      t = time.perf_counter()
+      draws.append(self.score(rollouts, items))
+      reward_s += time.perf_counter() - t
+      informative = adv.informative_groups(draws[-1].rewards)
+      fill = fill.add_draw(informative if cfg.dynamic_sampling else np.ones_like(informative))
+    picked = fill.selection(pad=True)
+    record.update({"timing/rollout_s": rollout_s, "timing/reward_s": reward_s,
+                   "data/rollout_batches": picked.num_draws,
+                   "data/prompts_drawn": sum(len(d.items) for d in draws),
+                   "data/filler_groups": picked.num_padded,
+                   "reward/timeouts": sum(d.timeouts for d in draws),
+                   "reward/errors": sum(d.errors for d in draws)})
+    first_error = next((d.first_error for d in draws if d.first_error), None)
+    if first_error:
+      print(f"warning: step {step}: a reward function failed: {first_error}", file=sys.stderr)
+    return merge_scored([select(draws[d], [g], self.rollout.group_size)
+                         for d, g in picked.groups])
+
+  def score(self, rollouts: GroupRollouts, items: Sequence,
+            group_size: int | None = None) -> ScoredGroups:
+    g = group_size or self.rollout.group_size
+    eos = set(self.rollout.eos_ids)
+    reward_items = []
+    for row, response in enumerate(rollouts.responses):
+      item = items[row // g]
+      text = self.tokenizer.decode([t for t in response if t not in eos])
+      reward_items.append(RewardItem(response=text, ground_truth=item.record.ground_truth,
+                                     data_source=item.record.data_source,
+                                     extra_info=item.record.extra_info))
+    result = self.rewards.score(reward_items)
+    penalty = adv.overlong_penalty(rollouts.response_lengths, self.rollout.max_new_tokens,
+                                   self.step_config.overlong)
+    shape = (len(items), g)
+    return ScoredGroups(rollouts=rollouts, rewards=(result.rewards + penalty).reshape(shape),
+                        accuracy=(result.scores >= 1.0).reshape(shape), items=list(items),
+                        timeouts=result.timeouts, errors=result.errors,
+                        first_error=result.first_error)
+
+  def loss_mask(self, batch: GroupRollouts) -> np.ndarray:
+    """Sequences in the loss: all, or (overlong `mask`) those that ended before the cap."""
+    if self.step_config.overlong.mode == "mask":
+      return ~batch.truncated
+    return np.ones(len(batch.responses), bool)
+
+  def sync_weights(self, params: Params) -> Params:
+    """New policy -> the rollout engine. The rollout runs on the trainer's devices with the
+    same shapes and shardings, so its compiled programs serve the new params as they are."""
+    return params
+
+  def evaluate(self, val_items: Sequence, step: int) -> dict[str, float]:
+    """Greedy answers to the held-out prompts: `val/reward`, `val/accuracy`, and both per
+    data source (`val/accuracy/<source>`)."""
+    settings = dataclasses.replace(self.rollout, group_size=1, sampling=SamplingParams(0.0))
+    rollouts = sample_groups(self.rollout_params, self.config,
+                             [i.prompt_ids for i in val_items], settings, seed=step)
+    scored = self.score(rollouts, val_items, group_size=1)
+    metrics = {"val/reward": float(scored.rewards.mean()),
+               "val/accuracy": float(scored.accuracy.mean()),
+               "val/prompts": len(val_items)}
+    sources = np.array([i.record.data_source for i in val_items])
+    for source in sorted(set(sources)):
+      metrics[f"val/accuracy/{source}"] = float(scored.accuracy[sources == source].mean())
+      metrics[f"val/reward/{source}"] = float(scored.rewards[sources == source].mean())
+    return metrics
+
+  # ---- helpers ---------------------------------------------------------------------------
+
+  def step_seed(self, step: int, stage: str) -> int:
+    """Stateless per-(step, stage) seeds: a resumed run draws exactly what it would have."""
+    return int(np.random.SeedSequence([self.step_config.seed, step,
+                                       *stage.encode()]).generate_state(1)[0])
+
+  def learning_rate(self) -> float:
+    return self.update.learning_rate(int(self.state.step))
+
+  def batch_metrics(self, scored: ScoredGroups, group_size: int) -> dict[str, float]:
+    lengths = scored.rollouts.response_lengths
+    return {
+        "reward/mean": float(scored.rewards.mean()),
+        "reward/std": float(scored.rewards.std()),
+        "reward/accuracy": float(scored.accuracy.mean()),
+        "reward/informative_groups": int(adv.informative_groups(scored.rewards).sum()),
+        "response_len/mean": float(lengths.mean()), "response_len/max": int(lengths.max()),
+        "response_len/clip_frac": float(scored.rollouts.truncated.mean()),
+    }
+
+
+def rollout_stats(stats: dict) -> dict[str, Any]:
+  """The engine's rollout stats under DESIGN section 7's names."""
+  out = {"rollout/tail_s": stats["rollout/tail_s"],
+         "rollout/live_rows_trace": stats["rollout/live_rows"],
+         "rollout/generated_tokens": stats["generated_tokens"],
+         "rollout/tokens_per_s": stats["tokens_per_s"]}
+  for key in ("spec/accept_len", "spec/enabled_frac", "spec/verify_steps", "spec/strategy"):
+    if key in stats:
+      out[key] = stats[key]
+  return out
+
+
+def select(scored: ScoredGroups, groups: Sequence[int], group_size: int) -> ScoredGroups:
+  """The given groups of a scored draw (fault counts stay with the draw)."""
+  groups = [int(g) for g in groups]
+  return ScoredGroups(rollouts=scored.rollouts.select_groups(groups, group_size),
+                      rewards=scored.rewards[groups], accuracy=scored.accuracy[groups],
+                      items=[scored.items[g] for g in groups])
+
+
+def merge_scored(parts: Sequence[ScoredGroups]) -> ScoredGroups:
+  return ScoredGroups(rollouts=concat_rollouts([p.rollouts for p in parts]),
+                      rewards=np.concatenate([p.rewards for p in parts]),
+                      accuracy=np.concatenate([p.accuracy for p in parts]),
+                      items=[i for p in parts for i in p.items])

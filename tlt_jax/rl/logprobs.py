@@ -1,0 +1,40 @@
+"""Per-token log-probs (and entropies) of packed rows under a policy: what the trainer scores.
+
+The rollout engine reports the policy's temperature-scaled, untruncated log-probs of each
+emitted token (`sampling.policy_logprobs`); the trainer scores with that same function, so
+the two differ only by rounding (reported as `rollout/logprob_diff_*`).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.transformer import Params, forward_packed, lm_logits
+from tlt_jax.rl.batching import TrainRows
+from tlt_jax.rollout.sampling import SamplingParams, policy_logprobs
+from tlt_jax.sharding.rules import MeshRules
+
+
+def token_logprobs(params: Params, config: ModelConfig, rows: TrainRows,
+                   sampling: SamplingParams, rules: MeshRules | None = None,
+                   remat: bool = False) -> tuple[jax.Array, jax.Array]:
+  """(logp, entropy) [R, T]: slot j's log-prob of the token at j + 1 and the entropy of
+  slot j's distribution. Values at slots outside a response are meaningless (finite)."""
+  hidden = forward_packed(params, config, rows.tokens, rows.positions, rows.segment_ids,
+                          rules, remat)
+  logp_all = policy_logprobs(lm_logits(params, config, hidden, rules), sampling)
+  next_tokens = jnp.pad(rows.tokens[:, 1:], ((0, 0), (0, 1)))
+  logp = jnp.take_along_axis(logp_all, next_tokens[..., None], axis=-1)[..., 0]
+  entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+  return logp, entropy
+
+
+@functools.partial(jax.jit, static_argnames=("config", "sampling", "rules"))
+def score_rows(params: Params, rows: TrainRows, *, config: ModelConfig,
+               sampling: SamplingParams, rules: MeshRules | None = None) -> jax.Array:
+  """Log-probs [R, T] without a gradient: the reference policy's, or the old policy's
+  when a step makes several updates."""
+  return token_logprobs(params, config, rows, sampling, rules)[0]

@@ -1,0 +1,81 @@
+"""The rollout stage: each prompt sampled `group_size` times through the rollout engine.
+
+Rows of a group are adjacent, so a group's responses are rows g*G .. g*G + G - 1. The
+engine compacts the live rows and switches speculative decoding on for the tail; this
+module only lays the groups out and keeps what the later stages need.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.transformer import Params
+from tlt_jax.rollout.buckets import BucketSpec
+from tlt_jax.rollout.engine import SpecConfig, generate
+from tlt_jax.rollout.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSettings:
+  """Everything the engine needs besides params and prompts."""
+  group_size: int
+  max_new_tokens: int
+  sampling: SamplingParams
+  eos_ids: tuple[int, ...]
+  spec: SpecConfig | None = None
+  buckets: BucketSpec = BucketSpec()
+  chunk_steps: int = 16
+  attention_impl: str = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupRollouts:
+  """Responses of P prompts x G samples, row-major by group."""
+  prompts: list[list[int]]           # [P * G], each prompt repeated G times
+  responses: list[list[int]]         # [P * G]
+  logprobs: list[np.ndarray]         # [P * G] rollout log-probs of the response tokens
+  truncated: np.ndarray              # [P * G] bool: ran to the length cap
+  prompt_index: np.ndarray           # [P * G] which of the P prompts
+  stats: dict
+
+  @property
+  def response_lengths(self) -> np.ndarray:
+    return np.array([len(r) for r in self.responses], np.int64)
+
+  def select_groups(self, groups: Sequence[int], group_size: int) -> "GroupRollouts":
+    rows = [g * group_size + k for g in groups for k in range(group_size)]
+    return GroupRollouts(prompts=[self.prompts[r] for r in rows],
+                         responses=[self.responses[r] for r in rows],
+                         logprobs=[self.logprobs[r] for r in rows],
+                         truncated=self.truncated[rows], prompt_index=self.prompt_index[rows],
+                         stats=self.stats)
+
+
+def concat_rollouts(parts: Sequence[GroupRollouts]) -> GroupRollouts:
+  """Groups of several rollouts (DAPO refills) as one; stats are the first part's."""
+  return GroupRollouts(
+      prompts=[p for part in parts for p in part.prompts],
+      responses=[r for part in parts for r in part.responses],
+      logprobs=[lp for part in parts for lp in part.logprobs],
+      truncated=np.concatenate([part.truncated for part in parts]),
+      prompt_index=np.concatenate([part.prompt_index for part in parts]),
+      stats=parts[0].stats)
+
+
+def sample_groups(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int]],
+                  settings: RolloutSettings, seed: int) -> GroupRollouts:
+  rows = [list(p) for p in prompts for _ in range(settings.group_size)]
+  result = generate(params, config, rows, max_new_tokens=settings.max_new_tokens,
+                    sampling=settings.sampling, eos_ids=settings.eos_ids, seed=seed,
+                    buckets=settings.buckets, chunk_steps=settings.chunk_steps,
+                    spec=settings.spec, attention_impl=settings.attention_impl)
+  return GroupRollouts(
+      prompts=rows,
+      responses=[o.token_ids for o in result.outputs],
+      logprobs=[np.asarray(o.logprobs, np.float32) for o in result.outputs],
+      truncated=np.array([o.finish_reason == "length" for o in result.outputs]),
+      prompt_index=np.repeat(np.arange(len(prompts)), settings.group_size),
+      stats=result.stats)

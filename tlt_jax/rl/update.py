@@ -1,0 +1,206 @@
+"""The policy update: gradients accumulated over packed micro-batches, then one optax step.
+
+Each token carries its mini-batch aggregation weight (`losses.sequence_weights`), so the
+sum of micro-batch losses is the mini-batch loss exactly and accumulation needs no
+rescaling. Programs: `accumulate_grads` and `score_rows` per micro-batch row count,
+`apply_grads` once; all are counted by `compiled_programs`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from tlt_jax.errors import UserInputError
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.transformer import Params
+from tlt_jax.rl import logprobs
+from tlt_jax.rl.batching import (Sequences, TrainRows, gather_response_values, micro_batches,
+                                  pack)
+from tlt_jax.rl.config import LossConfig
+from tlt_jax.rl.logprobs import score_rows
+from tlt_jax.rl.losses import policy_loss, sequence_weights
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.sharding.rules import MeshRules
+
+
+@flax.struct.dataclass
+class PolicyState:
+  params: Params
+  opt_state: optax.OptState
+  step: jax.Array            # int32: optimizer steps taken
+
+
+def init_policy_state(params: Params, optimizer: optax.GradientTransformation) -> PolicyState:
+  return PolicyState(params=params, opt_state=jax.jit(optimizer.init)(params),
+                     step=jnp.int32(0))
+
+
+def _micro_loss(params, rows: TrainRows, config, sampling, loss, rules, remat):
+  logp, entropy = logprobs.token_logprobs(params, config, rows, sampling, rules, remat)
+  value, metrics = policy_loss(
+      logp, rows.old_logp, rows.advantages, rows.loss_weights, rows.metric_weights, loss,
+      ref_logp=rows.ref_logp if loss.uses_reference else None, entropy=entropy,
+      rollout_logp=rows.rollout_logp)
+  # How far the trainer's log-probs are from the rollout's (verl's rollout-correction
+  # metrics); meaningful on the first update of a step, before the params move.
+  diff = jnp.where(rows.metric_weights > 0, jnp.abs(logp - rows.rollout_logp), 0.0)
+  metrics["rollout/logprob_diff_mean"] = jnp.sum(rows.metric_weights * diff)
+  metrics["rollout/logprob_diff_max"] = jnp.max(diff)
+  metrics["actor/loss"] = value
+  return value, metrics
+
+
+@functools.partial(jax.jit, static_argnames=("config", "sampling", "loss", "rules", "remat"),
+                   donate_argnames=("grads",))
+def accumulate_grads(params: Params, grads: Params, rows: TrainRows, *, config: ModelConfig,
+                     sampling: SamplingParams, loss: LossConfig,
+                     rules: MeshRules | None = None, remat: bool = False
+                     ) -> tuple[Params, dict[str, jax.Array]]:
+  """grads + d(micro-batch loss)/d(params), and the micro-batch's metric sums."""
+  micro_grads, metrics = jax.grad(_micro_loss, has_aux=True)(params, rows, config, sampling,
+                                                             loss, rules, remat)
+  return jax.tree.map(jnp.add, grads, micro_grads), metrics
+
+
+@jax.jit
+def zero_grads(params: Params) -> Params:
+  """The accumulator a mini-batch starts from (apply_grads consumes the last one)."""
+  return jax.tree.map(jnp.zeros_like, params)
+
+
+@functools.partial(jax.jit, static_argnames=("optimizer",), donate_argnames=("state",))
+def apply_grads(state: PolicyState, grads: Params, *, optimizer: optax.GradientTransformation
+                ) -> tuple[PolicyState, jax.Array]:
+  """One optimizer step; returns the new state and the gradient's global norm (before
+  clipping)."""
+  grad_norm = optax.global_norm(grads)
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  return PolicyState(params=params, opt_state=opt_state, step=state.step + 1), grad_norm
+
+
+def compiled_programs() -> int:
+  return sum(fn._cache_size() for fn in (accumulate_grads, zero_grads, apply_grads,
+                                         score_rows))
+
+
+# ---- host side: epochs, mini-batches, micro-batches ---------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class UpdateConfig:
+  """How a step's responses become optimizer steps: `ppo_epochs` passes over them, each in
+  `num_mini_batches` optimizer steps, each accumulated over micro-batches of
+  `micro_batch_rows` packed rows of `train_seq_len` slots."""
+  ppo_epochs: int = 1
+  num_mini_batches: int = 1
+  micro_batch_rows: int = 8
+  train_seq_len: int = 256
+  remat: bool = False
+
+  def __post_init__(self):
+    for name in ("ppo_epochs", "num_mini_batches", "micro_batch_rows"):
+      if getattr(self, name) < 1:
+        raise UserInputError(f"--{name}={getattr(self, name)}: must be >= 1")
+    if self.train_seq_len < 2:
+      raise UserInputError(f"--train_seq_len={self.train_seq_len}: must be >= 2")
+
+  @property
+  def updates_per_step(self) -> int:
+    return self.ppo_epochs * self.num_mini_batches
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateContext:
+  """The static side of an update: model, sampling, loss, optimizer, sharding."""
+  config: ModelConfig
+  sampling: SamplingParams
+  loss: LossConfig
+  update: UpdateConfig
+  optimizer: optax.GradientTransformation
+  learning_rate: optax.Schedule      # the optimizer's, by optimizer step, for metrics
+  max_response_len: int
+  rules: MeshRules | None = None
+
+
+def score_sequences(params: Params, sequences: Sequences, ctx: UpdateContext
+                    ) -> list[np.ndarray]:
+  """Per-sequence log-probs of every response token under `params` (no gradient)."""
+  layout = pack(sequences, range(len(sequences)), ctx.update.train_seq_len)
+  values = [score_rows(params, rows, config=ctx.config, sampling=ctx.sampling,
+                       rules=ctx.rules)
+            for rows in micro_batches(layout, sequences, ctx.update.micro_batch_rows, {}, {})]
+  return gather_response_values(layout, sequences, jax.device_get(values))
+
+
+def logprob_gap(trainer_logp: Sequence[np.ndarray], rollout_logp: Sequence[np.ndarray],
+                in_loss: np.ndarray) -> dict[str, float]:
+  """`rollout/logprob_diff_{mean,max}` over the tokens of sequences in the loss."""
+  diffs = [np.abs(a - b) for a, b, keep in zip(trainer_logp, rollout_logp, in_loss) if keep]
+  if not diffs:
+    return {"rollout/logprob_diff_mean": 0.0, "rollout/logprob_diff_max": 0.0}
+  flat = np.concatenate(diffs)
+  return {"rollout/logprob_diff_mean": float(flat.mean()),
+          "rollout/logprob_diff_max": float(flat.max())}
+
+
+def update_policy(state: PolicyState, sequences: Sequences, advantages: np.ndarray,
+                  rollout_logp: Sequence[np.ndarray], ref_logp: Sequence[np.ndarray] | None,
+                  in_loss: np.ndarray, ctx: UpdateContext, seed: int
+                  ) -> tuple[PolicyState, dict[str, float]]:
+  """Every optimizer step of one RL step; returns the new state and the update's metrics
+  (means over its optimizer steps).
+
+  With one update per step the ratio's `old` side is the rollout's own log-probs (the
+  params have not moved since the rollout); with several it is the trainer's log-probs
+  before the first update, so every update sees one fixed `old` policy."""
+  n = len(sequences)
+  if ref_logp is None:
+    ref_logp = [np.zeros(len(r), np.float32) for r in sequences.responses]
+  metrics: dict[str, float] = {}
+  if ctx.update.updates_per_step == 1:
+    old_logp = rollout_logp
+  else:
+    old_logp = score_sequences(state.params, sequences, ctx)
+    metrics.update(logprob_gap(old_logp, rollout_logp, in_loss))
+  rng = np.random.default_rng(seed)
+  masked_lengths = np.array([len(r) for r in sequences.responses]) * in_loss
+  step_sums: list[dict[str, float]] = []
+  for epoch in range(ctx.update.ppo_epochs):
+    order = rng.permutation(n) if ctx.update.num_mini_batches > 1 else np.arange(n)
+    for mini_batch in np.array_split(order, ctx.update.num_mini_batches):
+      weights = np.zeros(n, np.float32)
+      weights[mini_batch] = sequence_weights(masked_lengths[mini_batch],
+                                             ctx.loss.loss_agg_mode, ctx.max_response_len)
+      tokens = max(int(masked_lengths[mini_batch].sum()), 1)
+      layout = pack(sequences, mini_batch, ctx.update.train_seq_len)
+      grads = zero_grads(state.params)
+      sums: list[dict[str, jax.Array]] = []
+      for rows in micro_batches(
+          layout, sequences, ctx.update.micro_batch_rows,
+          per_token={"old_logp": old_logp, "rollout_logp": rollout_logp, "ref_logp": ref_logp},
+          per_sequence={"advantages": advantages, "loss_weights": weights,
+                        "metric_weights": in_loss.astype(np.float32) / tokens}):
+        grads, micro_metrics = accumulate_grads(
+            state.params, grads, rows, config=ctx.config, sampling=ctx.sampling,
+            loss=ctx.loss, rules=ctx.rules, remat=ctx.update.remat)
+        sums.append(micro_metrics)
+      state, grad_norm = apply_grads(state, grads, optimizer=ctx.optimizer)
+      sums = jax.device_get(sums)
+      merged = {k: (max if k.endswith("_max") else sum)(m[k] for m in sums) for k in sums[0]}
+      merged["actor/grad_norm"] = float(grad_norm)
+      step_sums.append(merged)
+  if ctx.update.updates_per_step == 1:
+    metrics.update({k: float(step_sums[0][k]) for k in
+                    ("rollout/logprob_diff_mean", "rollout/logprob_diff_max")})
+  for key in step_sums[0]:
+    if not key.startswith("rollout/"):
+      metrics[key] = float(np.mean([s[key] for s in step_sums]))
+  metrics["actor/updates"] = len(step_sums)
+  return state, metrics
