@@ -10,6 +10,7 @@ the end (or with --export_hf), a HF checkpoint of the policy.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -30,6 +31,16 @@ _EVAL_EVERY = flags.DEFINE_integer("eval_every", 5, "Greedy validation every N s
                                    "before the first); 0 turns it off.", lower_bound=0)
 _EXPORT_HF = flags.DEFINE_string("export_hf", None, "Where to write the final policy as a HF "
                                  "checkpoint (default: RUN_DIR/hf_export).")
+
+
+# Fault injection for the resume tests: "step:N" dies by SIGKILL once step N has run but
+# before anything of it is written; "save:N" dies while step N's checkpoint is being written.
+FAULT_ENV = "TLT_JAX_KILL_AT"
+
+
+def maybe_die(point: str, step: int) -> None:
+  if os.environ.get(FAULT_ENV) == f"{point}:{step}":
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def default_run_dir() -> str:
@@ -85,6 +96,7 @@ def main(argv):
           file=sys.stderr)
   for step in range(first, _STEPS.value + 1):
     record = learner.step(step)
+    maybe_die("step", step)
     if eval_due(step):
       start = time.perf_counter()
       record.update(learner.evaluate(val_items, step))
@@ -92,6 +104,7 @@ def main(argv):
     if step % _CHECKPOINT_EVERY.value == 0 or step == _STEPS.value:
       start = time.perf_counter()
       checkpoints.save(step, learner.state, run.checkpoint_meta(log.history + [record]))
+      maybe_die("save", step)
       record["timing/checkpoint_s"] = time.perf_counter() - start
     log.write(record)
     progress.update(step, record)
