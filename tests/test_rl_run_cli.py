@@ -19,11 +19,11 @@ _MACHINE_PREFIXES = ("timing/", "perf/tokens_per_s", "mem/", "compile/",
                      "rollout/live_rows_trace", "rollout/tail_s", "rollout/tokens_per_s")
 
 
-def run_cli(run_dir, model_dir, *extra, env_extra=None, check=True):
+def run_cli(run_dir, model_dir, *extra, env_extra=None, check=True, tasks=TASKS):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env.update(JAX_PLATFORMS="cpu", **(env_extra or {}))
-  cmd = [sys.executable, "-m", "experiments.run", f"--model={model_dir}", f"--tasks={TASKS}",
-         "--num_train=32", "--num_val=4", "--max_prompt_len=96", "--max_new_tokens=12",
+  cmd = [sys.executable, "-m", "experiments.run", f"--model={model_dir}",
+         *([f"--tasks={tasks}"] if tasks else []), "--num_train=32", "--num_val=4", "--max_prompt_len=96", "--max_new_tokens=12",
          "--prompts_per_step=2", "--group_size=4", "--micro_batch_rows=2", "--lr=1e-3",
          "--kl_coef=0.04", "--eval_every=2", "--reward_workers=1", f"--run_dir={run_dir}",
          *extra]
