@@ -91,6 +91,11 @@ _WEIGHT_DECAY = flags.DEFINE_float("weight_decay", 0.01, "AdamW weight decay.")
 _GRAD_CLIP = flags.DEFINE_float("grad_clip", 1.0, "Global-norm gradient clipping.")
 _ADAM_B2 = flags.DEFINE_float("adam_b2", 0.999, "AdamW beta2.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of data order, rollouts and updates.")
+# ---- devices
+_FSDP = flags.DEFINE_integer("fsdp", 0, "Trainer mesh: devices params, optimizer state and "
+                             "batch rows are sharded over (FSDP); 0: all devices / --tp.")
+_TP = flags.DEFINE_integer("tp", 1, "Trainer mesh: tensor-parallel ways (heads, mlp, vocab).",
+                           lower_bound=1)
 
 # Flags that may change when a run resumes; every other must match the checkpoint's.
 RESUMABLE_CHANGES = ("steps", "run_dir", "resume", "checkpoint_every", "keep_checkpoints",
@@ -169,6 +174,21 @@ class Run:
                 tokenizer=self.model.tokenizer)
 
 
+def trainer_rules():
+  """The trainer mesh (fsdp x tp over this process's devices) and its sharding rules."""
+  import jax
+
+  from tlt_jax.sharding.mesh import make_mesh
+  from tlt_jax.sharding.rules import MeshRules
+
+  devices = jax.devices()
+  fsdp = _FSDP.value or len(devices) // _TP.value
+  if fsdp < 1 or fsdp * _TP.value > len(devices):
+    raise UserInputError(f"--fsdp={_FSDP.value} x --tp={_TP.value}: more than the "
+                         f"{len(devices)} devices")
+  return MeshRules(make_mesh(fsdp, _TP.value, devices[:fsdp * _TP.value]))
+
+
 def algorithm_configs():
   """The frozen configs of the step's algorithm, from flags (cheap: checked first)."""
   from tlt_jax.rl.config import AdvantageConfig, LossConfig, OverlongConfig
@@ -199,6 +219,7 @@ def build_run(total_steps: int) -> Run:
   from tlt_jax.rl.rollout import RolloutSettings
   from tlt_jax.rl.update import UpdateConfig, UpdateContext, init_policy_state
   from tlt_jax.rollout.buckets import round_up
+  from tlt_jax.sharding.rules import param_logical_axes, tree_shardings
 
   if total_steps < 1:
     raise UserInputError(f"--steps={total_steps}: must be >= 1")
@@ -213,6 +234,14 @@ def build_run(total_steps: int) -> Run:
       raise UserInputError(f"--{flag.name}={flag.value}: no such file")
   if _DRAFTER.value is not None and not os.path.isdir(_DRAFTER.value):
     raise UserInputError(f"--drafter={_DRAFTER.value}: no such directory")
+  sd_given = [f for f in ("strategy", "sd_threshold", "sd_patience") if flags.FLAGS[f].present]
+  if _DRAFTER.value is None and sd_given:
+    raise UserInputError(f"--{sd_given[0]} needs --drafter (speculative decoding is off)")
+  if _DRAFTER.value is not None:
+    from tlt_jax.rollout.bandit import parse_strategies
+    from tlt_jax.rollout.engine import SpecConfig
+    parse_strategies(_STRATEGY.value)
+    SpecConfig.validate_schedule(_SD_THRESHOLD.value, _SD_PATIENCE.value)
   seq_len = _TRAIN_SEQ_LEN.value or round_up(_MAX_PROMPT_LEN.value + _MAX_NEW.value, 64)
   if seq_len < _MAX_PROMPT_LEN.value + _MAX_NEW.value:
     raise UserInputError(f"--train_seq_len={seq_len}: shorter than --max_prompt_len + "
@@ -251,9 +280,13 @@ def build_run(total_steps: int) -> Run:
   context = UpdateContext(config=model.config, sampling=algo["sampling"], loss=algo["loss"],
                           update=update_config, optimizer=optimizer, learning_rate=schedule,
                           max_response_len=_MAX_NEW.value)
+  rules = trainer_rules()
+  params = jax.device_put(model.params, tree_shardings(param_logical_axes(model.config),
+                                                       model.params, rules))
+  context = dataclasses.replace(context, rules=rules)
   # The reference is a copy: the policy's buffers are donated to each update.
-  ref_params = (jax.tree.map(jnp.copy, model.params) if algo["loss"].uses_reference else None)
-  state = init_policy_state(model.params, optimizer)
+  ref_params = jax.tree.map(jnp.copy, params) if algo["loss"].uses_reference else None
+  state = init_policy_state(params, optimizer)
   rewards = RewardPool(reward_spec, num_workers=_REWARD_WORKERS.value,
                        timeout_s=_REWARD_TIMEOUT.value)
   learner = Learner(config=model.config, tokenizer=tokenizer, state=state,

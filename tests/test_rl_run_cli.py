@@ -112,3 +112,22 @@ def test_resume_after_sigkill_is_bitwise(finished_run, tiny_hf_dirs, tmp_path, f
   assert ours.keys() == reference.keys()
   for name in ours:
     np.testing.assert_array_equal(ours[name], reference[name], err_msg=name)
+
+
+@pytest.mark.parametrize("name", ["quickstart", "smollm2_cpu", "qwen2_5_1_5b_gpu",
+                                  "qwen2_5_7b_gpu", "r1_distill_qwen_7b_gpu"])
+def test_flagfiles_are_valid(name, tmp_path):
+  """Every flag of every shipped flagfile parses and validates; then the run stops at a
+  missing input named in one line: GPU flagfiles' placeholder data file, or a model path
+  given here to CPU ones."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  extra = [] if name.endswith("_gpu") else ["--model=/nonexistent/model"]
+  proc = subprocess.run(
+      [sys.executable, "-m", "experiments.run",
+       f"--flagfile=experiments/configs/{name}.flags", f"--run_dir={tmp_path / 'run'}",
+       *extra], cwd=REPO, env=dict(env, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+      timeout=300)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  last = proc.stderr.strip().splitlines()[-1]
+  missing = "--train_file=data/math_train.parquet" if name.endswith("_gpu") else "/nonexistent"
+  assert last.startswith("error: ") and missing in last and "Traceback" not in proc.stderr, last

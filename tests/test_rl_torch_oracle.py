@@ -9,9 +9,16 @@ what `update_policy` runs: `pack` -> `micro_batches` (several, so accumulation i
 exercised) -> `accumulate_grads`, with `sequence_weights` and the reference log-probs
 from `score_sequences`. Everything is fp32.
 
-Tolerances: per-token log-probs and entropies 1e-4 abs; the loss 1e-5 relative; the
-gradients of named matrices 1e-4 abs (and the global grad norm 1e-5 relative).
+Tolerances: per-token log-probs 1e-4 abs; the loss 1e-5 relative; the gradients of named
+matrices 1e-4 abs (and the global grad norm over every parameter 1e-5 relative); the
+loss's metric sums (clip fractions, token-mean KL and entropy) against the oracle's.
+
+llama_tied is in the log-prob test only: its N(0, 1) tied embeddings make the policy so
+peaked that log(ref / policy) to the seed-1 reference passes losses.LOG_RATIO_LIMIT on
+some tokens, where the project's clamp (by design) departs from the unclamped k3.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,9 +28,8 @@ import pytest
 from tests.hf_fixtures import make_tiny_hf_checkpoint
 from tlt_jax.models.hf import load_hf_dir
 from tlt_jax.rl.advantages import group_advantages
-from tlt_jax.rl.batching import Sequences, gather_response_values, micro_batches, pack
-from tlt_jax.rl.config import AdvantageConfig, LossConfig
-from tlt_jax.rl.logprobs import token_logprobs
+from tlt_jax.rl.batching import Sequences, micro_batches, pack
+from tlt_jax.rl.config import LOSS_AGG_MODES, AdvantageConfig, LossConfig
 from tlt_jax.rl.losses import sequence_weights
 from tlt_jax.rl.update import (UpdateConfig, UpdateContext, accumulate_grads, score_sequences,
                                zero_grads)
@@ -34,7 +40,7 @@ pytest.importorskip("transformers")
 
 TEMPERATURE = 0.7
 MAX_RESPONSE_LEN = 12      # the configured cap (seq_mean_token_sum_norm's divisor)
-TRAIN_SEQ_LEN = 24
+TRAIN_SEQ_LEN = 32
 MICRO_ROWS = 2
 PROMPT_LENGTHS = (5, 9, 3)               # one prompt per group
 RESPONSE_LENGTHS = ((7, 2, 12), (4, 11, 6), (9, 3, 8))
@@ -139,8 +145,8 @@ def _oracle_loss(model, sequences, advantages, old_logp, rollout_logp, ref_logp,
   live = mask > 0
   stats = {"clip": int(((pg_clipped > pg_unclipped) & live).sum()),
            "dual": int((dual & live).sum()),
-           "kl": float((kl * mask).sum() / mask.sum()),
-           "entropy": float((entropy * mask).sum() / mask.sum())}
+           "kl": float((kl * mask).sum().detach() / mask.sum()),
+           "entropy": float((entropy * mask).sum().detach() / mask.sum())}
   return total, stats
 
 
@@ -165,42 +171,30 @@ def _context(config, loss: LossConfig) -> UpdateContext:
       max_response_len=MAX_RESPONSE_LEN)
 
 
-def _project_grads(params, sequences, advantages, old_logp, rollout_logp, ref_logp, in_loss,
+def _project_grads(setup, sequences, advantages, old_logp, rollout_logp, ref_logp, in_loss,
                    ctx: UpdateContext):
   """(grads, summed metrics, micro-batch count) of one mini-batch holding every sequence:
   update_policy's construction, without the optimizer step."""
+  params = setup.params
   n = len(sequences)
   masked_lengths = np.array([len(r) for r in sequences.responses]) * in_loss
   weights = sequence_weights(masked_lengths, ctx.loss.loss_agg_mode, ctx.max_response_len)
   tokens = max(int(masked_lengths.sum()), 1)
   layout = pack(sequences, range(n), ctx.update.train_seq_len)
   grads = zero_grads(params)
-  sums = []
+  sums, program_loss = [], None
   for rows in micro_batches(
       layout, sequences, ctx.update.micro_batch_rows,
       per_token={"old_logp": old_logp, "rollout_logp": rollout_logp, "ref_logp": ref_logp},
       per_sequence={"advantages": advantages, "loss_weights": weights,
                     "metric_weights": in_loss.astype(np.float32) / tokens}):
+    program_loss = program_loss or _program_loss(setup, ctx.loss, rows)
     grads, metrics = accumulate_grads(params, grads, rows, config=ctx.config,
-                                      sampling=ctx.sampling, loss=ctx.loss)
+                                      sampling=ctx.sampling, loss=program_loss)
     sums.append(metrics)
   sums = jax.device_get(sums)
   merged = {k: (max if k.endswith("_max") else sum)(m[k] for m in sums) for k in sums[0]}
   return jax.device_get(grads), merged, len(sums), layout
-
-
-_token_logprobs = jax.jit(token_logprobs, static_argnames=("config", "sampling"))
-
-
-def _project_scores(params, config, sequences):
-  """Per-sequence (logp, entropy) of the response tokens from the trainer's scorer."""
-  layout = pack(sequences, range(len(sequences)), TRAIN_SEQ_LEN)
-  sampling = SamplingParams(temperature=TEMPERATURE)
-  outs = [_token_logprobs(params, config, rows, sampling)
-          for rows in micro_batches(layout, sequences, MICRO_ROWS, {}, {})]
-  logp = gather_response_values(layout, sequences, [np.asarray(o[0]) for o in outs])
-  entropy = gather_response_values(layout, sequences, [np.asarray(o[1]) for o in outs])
-  return logp, entropy
 
 
 # ---- fixtures --------------------------------------------------------------------------
@@ -271,37 +265,46 @@ def _named_grads(setup, grads):
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3", "llama_tied"])
 def test_trainer_logprobs_match_hf(setups, kind):
+  """What the learner scores (`score_sequences`: old and reference log-probs) equals HF's
+  temperature-scaled log-probs on the same tokens."""
   setup = setups(kind)
-  logp, entropy = _project_scores(setup.params, setup.config, setup.sequences)
-  with torch.no_grad():
-    _, hf_entropy, _ = _hf_response_scores(setup.hf, setup.sequences)
-  for ours, theirs, ent, hf_ent in zip(logp, setup.hf_logp, entropy,
-                                       _unpad(hf_entropy, setup.sequences)):
-    np.testing.assert_allclose(ours, theirs, rtol=0, atol=LOGP_TOL)
-    np.testing.assert_allclose(ent, hf_ent, rtol=0, atol=LOGP_TOL)
-  # The reference log-probs the learner feeds to the loss (score_sequences).
-  ref = score_sequences(setup.ref_params, setup.sequences, _context(setup.config, LossConfig()))
-  for ours, theirs in zip(ref, setup.hf_ref_logp):
-    np.testing.assert_allclose(ours, theirs, rtol=0, atol=LOGP_TOL)
+  ctx = _context(setup.config, LossConfig())
+  for params, hf_logp in ((setup.params, setup.hf_logp), (setup.ref_params, setup.hf_ref_logp)):
+    ours = score_sequences(params, setup.sequences, ctx)
+    for i, (a, b) in enumerate(zip(ours, hf_logp)):
+      assert a.shape == b.shape == (len(setup.sequences.responses[i]),)
+      np.testing.assert_allclose(a, b, rtol=0, atol=LOGP_TOL, err_msg=f"sequence {i}")
 
 
 _CLIP = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, kl_coef=0.1, kl_estimator="k3")
-CASES = [
-    *[pytest.param(kind, LossConfig(loss_agg_mode=mode, **_CLIP), False,
-                   id=f"{kind}-{mode}")
-      for kind in ("qwen2", "llama")
-      for mode in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
-                   "seq_mean_token_sum_norm")],
-    *[pytest.param(kind, LossConfig(loss_agg_mode="seq_mean_token_mean", clip_ratio_c=1.5,
-                                    entropy_coef=0.05, **_CLIP), False,
-                   id=f"{kind}-dual_clip-entropy")
-      for kind in ("qwen2", "llama", "qwen3", "llama_tied")],
-    # One response out of the loss (e.g. overlong-masked) and truncated IS against a
-    # rollout that differs from `old`.
-    pytest.param("qwen2", LossConfig(loss_agg_mode="seq_mean_token_mean", clip_ratio_c=1.5,
-                                     entropy_coef=0.05, tis_cap=1.5, **_CLIP), True,
-                 id="qwen2-masked-tis"),
+_DUAL_ENTROPY = dict(clip_ratio_c=1.5, entropy_coef=0.05, **_CLIP)
+# (id, architecture, LossConfig fields besides the mode, one response out of the loss).
+_SETTINGS = [
+    ("clip_kl", "qwen2", _CLIP, False),
+    ("dual_clip_entropy", "llama", _DUAL_ENTROPY, False),
+    ("dual_clip_entropy", "qwen3", _DUAL_ENTROPY, False),
+    # A response out of the loss (as overlong masking does: not counted in the seq-mean
+    # modes' N) and truncated IS against a rollout that differs from `old`.
+    ("masked_tis", "qwen2", dict(tis_cap=1.5, **_DUAL_ENTROPY), True),
 ]
+CASES = [pytest.param(kind, LossConfig(loss_agg_mode=mode, **fields), mask_one,
+                      id=f"{kind}-{name}-{mode}")
+         for name, kind, fields, mask_one in _SETTINGS for mode in LOSS_AGG_MODES]
+
+
+def _program_loss(setup, loss: LossConfig, rows) -> LossConfig:
+  """The LossConfig to compile accumulate_grads with: `loss` with the first mode.
+
+  The mode only reaches the loss through the host-side sequence weights, so the program
+  does not depend on it; checked here on the lowered text. That lets the four modes share
+  one compile (~7 s on two CPU cores) while running exactly update_policy's computation."""
+  canonical = dataclasses.replace(loss, loss_agg_mode=LOSS_AGG_MODES[0])
+  if canonical != loss:
+    lower = lambda l: accumulate_grads.lower(
+        setup.params, setup.params, rows, config=setup.config,
+        sampling=SamplingParams(temperature=TEMPERATURE), loss=l).as_text()
+    assert lower(loss) == lower(canonical), "accumulate_grads depends on loss_agg_mode"
+  return canonical
 
 
 @pytest.mark.parametrize("kind,loss,mask_one", CASES)
@@ -320,7 +323,7 @@ def test_grpo_loss_and_grads_match_torch(setups, kind, loss, mask_one):
   np.testing.assert_allclose(advantages, oracle_adv, rtol=1e-6)
   ref_logp = score_sequences(setup.ref_params, seqs, ctx)
   grads, metrics, num_micro, layout = _project_grads(
-      setup.params, seqs, advantages, setup.old_logp, rollout_logp, ref_logp, in_loss, ctx)
+      setup, seqs, advantages, setup.old_logp, rollout_logp, ref_logp, in_loss, ctx)
   assert num_micro >= 2 and layout.num_rows > MICRO_ROWS
   assert layout.num_rows < len(seqs)   # some rows hold several samples (segment ids matter)
 
@@ -347,6 +350,6 @@ def test_grpo_loss_and_grads_match_torch(setups, kind, loss, mask_one):
     assert np.abs(theirs).max() > 1e-3, f"{name}: the oracle's gradient is ~0"
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=GRAD_ATOL, err_msg=name)
   # Every parameter at once, independent of the layout mapping: the global norm.
-  ours_norm = float(optax.global_norm(grads))
+  ours_norm = float(optax.tree.norm(grads))
   hf_norm = float(torch.sqrt(sum((p.grad ** 2).sum() for p in setup.hf.parameters())))
   np.testing.assert_allclose(ours_norm, hf_norm, rtol=1e-5)

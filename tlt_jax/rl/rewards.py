@@ -145,25 +145,26 @@ _MATH_DELIMITERS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
 _TRAILER_RE = re.compile(r"(?:\s|[.,;!*$)\]]|\\\]|\\\)|</answer\s*>)*", re.IGNORECASE)
 
 
-def _last_boxed(text: str) -> tuple[int, str] | None:
-  """(end, content) of the last complete `\\boxed{...}` (or `\\fbox`), nested braces handled.
+def _last_boxed(text: str) -> tuple[int, int, str] | None:
+  """(start, end, content) of the last complete `\\boxed{...}` (or `\\fbox`), nested braces
+  handled; for nested boxes the outer one (it closes last).
 
   One pass with a brace stack (escaped braces skipped), so a response full of unclosed
   boxes costs linear time.
   """
-  stack: list[int | None] = []  # content start for box openers, None for plain braces
-  best: tuple[int, str] | None = None
+  stack: list[tuple[int, int] | None] = []  # (start, content start) of box openers
+  best: tuple[int, int, str] | None = None
   for m in _BRACE_TOKEN_RE.finditer(text):
     token = m.group()
     if token in ("\\{", "\\}"):
       continue
     if token == "}":
       if stack:
-        start = stack.pop()
-        if start is not None:
-          best = (m.end(), text[start:m.start()])
+        opener = stack.pop()
+        if opener is not None:
+          best = (opener[0], m.end(), text[opener[1]:m.start()])
     else:
-      stack.append(m.end() if token != "{" else None)
+      stack.append((m.start(), m.end()) if token != "{" else None)
   return best
 
 
@@ -200,15 +201,13 @@ def _normalize(answer: str) -> str:
   while True:
     before = answer
     for left, right in _MATH_DELIMITERS:
-      if len(answer) >= len(left) + len(right) and answer.startswith(left) and answer.endswith(
-          right):
+      if (len(answer) >= len(left) + len(right) and answer.startswith(left)
+          and answer.endswith(right)):
         answer = answer[len(left):len(answer) - len(right)].strip()
         break
     boxed = _last_boxed(answer)
-    if boxed is not None and boxed[0] == len(answer) and re.match(r"\\(?:boxed|fbox)\s*\{",
-                                                                  answer):
-      if len(answer) - len(boxed[1]) <= len("\\boxed{}") + answer.count(" ", 0, 8):
-        answer = boxed[1].strip()
+    if boxed is not None and boxed[0] == 0 and boxed[1] == len(answer):
+      answer = boxed[2].strip()
     answer = answer.rstrip(".").strip()
     if answer == before:
       return answer
@@ -220,7 +219,7 @@ def extract_answer(response: str) -> str:
   number; '' when there is none."""
   for found in (_last_boxed(response), _last_answer_tag(response)):
     if found is not None:
-      answer = _normalize(found[1])
+      answer = _normalize(found[-1])
       if answer:
         return answer
   answer = _normalize(_after_marker(response))
@@ -233,8 +232,8 @@ def extract_answer(response: str) -> str:
 def format_score(response: str) -> float:
   """1.0 if the response ends with a non-empty boxed answer or answer tag (only whitespace,
   punctuation and closing delimiters after it), else 0.0."""
-  ends = [end for end, content in (_last_boxed(response) or (0, ""),
-                                   _last_answer_tag(response) or (0, "")) if content.strip()]
+  ends = [found[-2] for found in (_last_boxed(response), _last_answer_tag(response))
+          if found is not None and found[-1].strip()]
   if not ends:
     return 0.0
   return 1.0 if _TRAILER_RE.fullmatch(response, max(ends)) else 0.0

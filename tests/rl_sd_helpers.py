@@ -1,0 +1,23 @@
+"""Module-level pieces for tests/test_rl_sd_equivalence.py: a reward function the spawned
+reward workers can import by name, and a character tokenizer for the learner's decode."""
+from __future__ import annotations
+
+from typing import Sequence
+
+ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
+
+
+class CharTokenizer:
+  """Token id i <-> ALPHABET[i]: all the learner needs of a tokenizer is `decode`."""
+
+  def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+    return "".join(ALPHABET[int(i)] for i in ids)
+
+
+def letter_share_reward(response: str, ground_truth: str, data_source: str,
+                        extra_info: dict) -> float:
+  """The share of the response's characters in `ground_truth` (0 for an empty response):
+  deterministic, and it varies with what was sampled."""
+  if not response:
+    return 0.0
+  return sum(c in ground_truth for c in response) / len(response)
