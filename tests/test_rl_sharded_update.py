@@ -1,0 +1,86 @@
+"""A policy update with params, optimizer state and rows sharded over a 4 x 2 (fsdp x tp)
+trainer mesh of 8 simulated CPU devices equals the single-device update.
+
+The device count is fixed before jax starts, so the check runs in a child process
+(`python -m tests.test_rl_sharded_update`) with XLA_FLAGS set.
+"""
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _sharded_vs_single() -> dict:
+  import jax
+  import numpy as np
+
+  from tlt_jax import optim
+  from tlt_jax.models import transformer
+  from tlt_jax.models.config import ModelConfig
+  from tlt_jax.rl.batching import Sequences
+  from tlt_jax.rl.config import LossConfig
+  from tlt_jax.rl.update import UpdateConfig, UpdateContext, init_policy_state, update_policy
+  from tlt_jax.rollout.sampling import SamplingParams
+  from tlt_jax.sharding.mesh import make_mesh
+  from tlt_jax.sharding.rules import MeshRules, param_logical_axes, tree_shardings
+
+  config = ModelConfig(model_type="qwen2", vocab_size=256, hidden_size=64,
+                       intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                       head_dim=16, qkv_bias=True)
+  # Host copies: each update donates (consumes) the params it is given.
+  params = jax.device_get(transformer.init_params(config, jax.random.key(0)))
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(0, 256, n).tolist() for n in (5, 9, 3, 7, 6, 4)]
+  responses = [rng.integers(0, 256, n).tolist() for n in (8, 3, 11, 5, 6, 9)]
+  sequences = Sequences(prompts, responses)
+  rollout_logp = [rng.normal(-5, 0.3, len(r)).astype(np.float32) for r in responses]
+  advantages = rng.normal(size=6).astype(np.float32)
+  # Adam moves every weight by about lr at its first step whatever the gradient's size,
+  # so a tiny gradient differing in rounding moves its weight by up to ~lr: keep lr small.
+  optimizer = optim.make_optimizer(1e-3, total_steps=1, b2=0.999, schedule="constant")
+
+  def step(rules):
+    placed = jax.device_put(params) if rules is None else jax.device_put(
+        params, tree_shardings(param_logical_axes(config), params, rules))
+    ctx = UpdateContext(config=config, sampling=SamplingParams(1.0),
+                        loss=LossConfig(), update=UpdateConfig(micro_batch_rows=2,
+                                                               train_seq_len=32),
+                        optimizer=optimizer, learning_rate=lambda s: 1e-3,
+                        max_response_len=16, rules=rules)
+    state, metrics = update_policy(init_policy_state(placed, optimizer), sequences, advantages,
+                                   rollout_logp, None, np.ones(6, bool), ctx, seed=0)
+    return state, metrics
+
+  single, single_metrics = step(None)
+  sharded, sharded_metrics = step(MeshRules(make_mesh(fsdp=4, tp=2)))
+  diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),
+                       single.params, sharded.params)
+  mu = sharded.opt_state[1][0].mu["layers"]["wq"]
+  return {"devices": len(jax.devices()),
+          "params_max_abs_diff": max(jax.tree.leaves(diffs)),
+          "params_moved": float(np.max(np.abs(np.asarray(single.params["layers"]["wq"])
+                                              - np.asarray(params["layers"]["wq"])))),
+          "wq_spec": str(sharded.params["layers"]["wq"].sharding.spec),
+          "mu_wq_spec": str(mu.sharding.spec),
+          "loss_diff": abs(single_metrics["actor/loss"] - sharded_metrics["actor/loss"])}
+
+
+def test_sharded_update_matches_single_device():
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-m", "tests.test_rl_sharded_update"], cwd=REPO,
+                        env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert result["devices"] == 8
+  assert "fsdp" in result["wq_spec"] and "tp" in result["wq_spec"], result
+  assert result["mu_wq_spec"] == result["wq_spec"], result   # optimizer state sharded alike
+  assert result["params_moved"] > 1e-4, result
+  assert result["params_max_abs_diff"] <= 1e-5, result
+  assert result["loss_diff"] <= 1e-5, result
+
+
+if __name__ == "__main__":
+  print(json.dumps(_sharded_vs_single()))
