@@ -431,6 +431,24 @@ class _Worker:
     self.conn.close()
 
 
+class _Batch:
+  """One score() call's results as they arrive."""
+
+  def __init__(self, n: int):
+    self.scores = np.zeros(n, np.float32)
+    self.formats = np.zeros(n, np.float32)
+    self.timeouts = 0
+    self.errors: list[str] = []
+
+  def on_result(self, worker: _Worker, message: tuple) -> None:
+    _, index, score, fmt, error = message
+    worker.index, worker.deadline = None, math.inf
+    if error is not None:
+      self.errors.append(f"item {index}: {error}")
+    else:
+      self.scores[index], self.formats[index] = score, fmt
+
+
 class RewardPool:
   """Scores batches with `spec` in `num_workers` worker processes, `timeout_s` per item.
 
@@ -445,7 +463,7 @@ class RewardPool:
     if num_workers < 1:
       raise UserInputError(f"--reward_workers={num_workers}: must be >= 1")
     if not (math.isfinite(timeout_s) and timeout_s > 0):
-      raise UserInputError(f"--reward_timeout={timeout_s}: must be a number of seconds > 0")
+      raise UserInputError(f"--reward_timeout_s={timeout_s}: must be a number of seconds > 0")
     if start_method not in START_METHODS:
       raise UserInputError(f"--reward_start_method={start_method!r}: expected one of "
                            f"{', '.join(START_METHODS)}")
@@ -461,7 +479,8 @@ class RewardPool:
     self._closed = False
     self._workers: list[_Worker] = []
     try:
-      self._workers = [_Worker(self._context, self._payload) for _ in range(num_workers)]
+      for _ in range(num_workers):
+        self._workers.append(_Worker(self._context, self._payload))
       while not all(w.ready for w in self._workers):
         self._wait_and_receive(on_result=None)
     except BaseException:
@@ -479,16 +498,18 @@ class RewardPool:
     self._workers[self._workers.index(worker)] = _Worker(self._context, self._payload)
     self.restarts += 1
 
-  def _wait_and_receive(self, on_result) -> list[_Worker]:
-    """Waits for the first message or deadline; handles ready/failed messages, passes results
-    to on_result(worker, message), replaces dead workers. Returns workers that died or were
-    killed with an item in flight (their `index` still set) for the caller to account."""
+  def _wait_and_receive(self, on_result) -> list[tuple[int, str]]:
+    """Waits for the next message or deadline. Marks workers ready, passes results to
+    on_result(worker, message), and replaces workers that died or overran; returns
+    (item index, "timeout" or why it died) for the items those workers had in flight."""
     waiting = [w for w in self._workers if w.index is not None or not w.ready]
+    if not waiting:
+      return []
     next_deadline = min(w.deadline if w.ready else w.started_at + self.startup_timeout_s
                         for w in waiting)
     ready_conns = multiprocessing.connection.wait(
         [w.conn for w in waiting], timeout=max(0.0, next_deadline - time.monotonic()))
-    lost: list[_Worker] = []
+    lost: list[tuple[_Worker, str]] = []
     for worker in [w for w in waiting if w.conn in ready_conns]:
       try:
         message = worker.conn.recv()
@@ -497,7 +518,7 @@ class RewardPool:
         if not worker.ready:
           raise RuntimeError(f"--reward={self.spec.name}: a reward worker exited while starting "
                              f"(exit code {worker.process.exitcode}); see its output above")
-        lost.append(worker)
+        lost.append((worker, f"reward worker died (exit code {worker.process.exitcode})"))
         continue
       if message[0] == "ready":
         worker.ready = True
@@ -511,75 +532,71 @@ class RewardPool:
       if not worker.ready and now >= worker.started_at + self.startup_timeout_s:
         raise RuntimeError(f"--reward={self.spec.name}: a reward worker did not start within "
                            f"{self.startup_timeout_s:g} s")
-      if worker.index is not None and worker not in lost and now >= worker.deadline:
-        lost.append(worker)
-    for worker in lost:
+      if worker.index is not None and now >= worker.deadline and all(
+          worker is not w for w, _ in lost):
+        lost.append((worker, "timeout"))
+    for worker, _ in lost:
       self._replace(worker)
-    return lost
+    return [(worker.index, reason) for worker, reason in lost if worker.index is not None]
 
   def score(self, items: Sequence[RewardItem]) -> RewardResult:
-    """Scores items (any order of completion; results in item order)."""
+    """Scores items; results in item order whatever order the workers finish in."""
     with self._lock:
       if self._closed:
         raise RuntimeError("RewardPool.score: the pool is closed")
-      n = len(items)
-      scores = np.zeros(n, np.float32)
-      formats = np.zeros(n, np.float32)
-      counts = {"timeouts": 0, "errors": 0}
-      first_error: list[str] = []
-      pending = collections.deque(range(n))
+      batch = _Batch(len(items))
+      try:
+        self._run(items, batch)
+      except BaseException:
+        self.close()  # an interrupted batch leaves stale items in flight: the pool is done
+        raise
+      return _result(self.spec, batch.scores, batch.formats, batch.timeouts, len(batch.errors),
+                     batch.errors[0] if batch.errors else None)
 
-      def fail(kind: str, index: int, message: str) -> None:
-        counts[kind] += 1
-        if kind == "errors" and not first_error:
-          first_error.append(f"item {index}: {message}")
-
-      def on_result(worker: _Worker, message: tuple) -> None:
-        _, index, score, fmt, error = message
-        worker.index, worker.deadline = None, math.inf
-        if error is not None:
-          fail("errors", index, error)
+  def _run(self, items: Sequence[RewardItem], batch: _Batch) -> None:
+    """Hands pending items to idle workers until each is scored, failed or timed out."""
+    pending = collections.deque(range(len(items)))
+    while pending or any(w.index is not None for w in self._workers):
+      for slot in range(len(self._workers)):
+        worker = self._workers[slot]
+        while worker.ready and worker.index is None and pending:
+          index = pending.popleft()
+          item = items[index]
+          try:
+            worker.conn.send((index, item.response, item.ground_truth, item.data_source,
+                              item.extra_info))
+          except OSError:  # it died while idle: replace it and retry the item elsewhere
+            pending.appendleft(index)
+            self._replace(worker)
+            break
+          except Exception as e:  # noqa: BLE001 - unpicklable extra_info: this item's error
+            batch.errors.append(f"item {index}: not picklable: {_one_line(e)}")
+            continue
+          worker.index, worker.deadline = index, time.monotonic() + self.timeout_s
+      for index, reason in self._wait_and_receive(batch.on_result):
+        if reason == "timeout":
+          batch.timeouts += 1
         else:
-          scores[index], formats[index] = score, fmt
-
-      while pending or any(w.index is not None for w in self._workers):
-        for worker in self._workers:
-          if worker.ready and worker.index is None and pending:
-            index = pending.popleft()
-            item = items[index]
-            try:
-              worker.conn.send((index, item.response, item.ground_truth, item.data_source,
-                                item.extra_info))
-            except (pickle.PicklingError, TypeError, AttributeError) as e:
-              fail("errors", index, f"item is not picklable: {_one_line(e)}")
-              continue
-            except OSError:  # the worker died while idle: replace it, retry the item
-              pending.appendleft(index)
-              self._replace(worker)
-              break
-            worker.index, worker.deadline = index, time.monotonic() + self.timeout_s
-        for worker in self._wait_and_receive(on_result):
-          if worker.process.exitcode == -signal.SIGKILL and time.monotonic() >= worker.deadline:
-            fail("timeouts", worker.index, "timeout")
-          else:
-            fail("errors", worker.index,
-                 f"reward worker died (exit code {worker.process.exitcode})")
-      return _result(self.spec, scores, formats, counts["timeouts"], counts["errors"],
-                     first_error[0] if first_error else None)
+          batch.errors.append(f"item {index}: {reason}")
 
   def close(self) -> None:
-    """Ends the workers: idle ones are asked to exit, the rest killed. Idempotent."""
+    """Ends the workers: idle ones are asked to exit, busy or still-starting ones killed.
+    Idempotent."""
     if self._closed:
       return
     self._closed = True
+    leaving = []
     for worker in self._workers:
-      if worker.ready and worker.index is None:
-        try:
+      try:
+        if worker.ready and worker.index is None:
           worker.conn.send(None)
-        except OSError:
-          pass
+          leaving.append(worker)
+          continue
+      except OSError:
+        pass
+      worker.kill()
     deadline = time.monotonic() + 2.0
-    for worker in self._workers:
+    for worker in leaving:
       worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
       if worker.process.is_alive():
         worker.kill()
