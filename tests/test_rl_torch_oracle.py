@@ -5,7 +5,7 @@ The oracle is written here from the loss's definition over the HF model itself
 temperature-scaled log_softmax of its logits, the PPO-clipped surrogate (+ dual clip,
 + truncated IS), k3 KL to a second HF model, the entropy of the full distribution, and
 each loss_agg_mode's formula on the padded response mask. The project side goes through
-what `update_policy` runs: `pack` -> `micro_batches` (several, so accumulation is
+what `update_policy` runs, `minibatch_grads`: `pack` -> `micro_batches` (several, so accumulation is
 exercised) -> `accumulate_grads`, with `sequence_weights` and the reference log-probs
 from `score_sequences`. Everything is fp32. Each loss setting runs all four
 loss_agg_modes through one compiled accumulate_grads (`_program_loss`).
@@ -31,9 +31,8 @@ from tlt_jax.models.hf import load_hf_dir
 from tlt_jax.rl.advantages import group_advantages
 from tlt_jax.rl.batching import Sequences, micro_batches, pack
 from tlt_jax.rl.config import LOSS_AGG_MODES, AdvantageConfig, LossConfig
-from tlt_jax.rl.losses import sequence_weights
-from tlt_jax.rl.update import (UpdateConfig, UpdateContext, accumulate_grads, score_sequences,
-                               zero_grads)
+from tlt_jax.rl.update import (UpdateConfig, UpdateContext, accumulate_grads, minibatch_grads,
+                               score_sequences)
 from tlt_jax.rollout.sampling import SamplingParams
 
 torch = pytest.importorskip("torch")
@@ -174,29 +173,16 @@ def _context(config, loss: LossConfig) -> UpdateContext:
 
 def _project_grads(setup, sequences, advantages, old_logp, rollout_logp, ref_logp, in_loss,
                    ctx: UpdateContext):
-  """(grads, summed metrics, micro-batch count) of one mini-batch holding every sequence:
-  update_policy's construction, without the optimizer step (the program is compiled
-  with the mode-canonical LossConfig, see `_program_loss`)."""
-  params = setup.params
-  n = len(sequences)
-  masked_lengths = np.array([len(r) for r in sequences.responses]) * in_loss
-  weights = sequence_weights(masked_lengths, ctx.loss.loss_agg_mode, ctx.max_response_len)
-  tokens = max(int(masked_lengths.sum()), 1)
-  layout = pack(sequences, range(n), ctx.update.train_seq_len)
-  grads = zero_grads(params)
-  sums, program_loss = [], None
-  for rows in micro_batches(
-      layout, sequences, ctx.update.micro_batch_rows,
-      per_token={"old_logp": old_logp, "rollout_logp": rollout_logp, "ref_logp": ref_logp},
-      per_sequence={"advantages": advantages, "loss_weights": weights,
-                    "metric_weights": in_loss.astype(np.float32) / tokens}):
-    program_loss = program_loss or _program_loss(setup, ctx.loss, rows)
-    grads, metrics = accumulate_grads(params, grads, rows, config=ctx.config,
-                                      sampling=ctx.sampling, loss=program_loss)
-    sums.append(metrics)
-  sums = jax.device_get(sums)
-  merged = {k: (max if k.endswith("_max") else sum)(m[k] for m in sums) for k in sums[0]}
-  return jax.device_get(grads), merged, len(sums), layout
+  """(grads, summed metrics) of one mini-batch holding every sequence, as update_policy
+  computes it before its optimizer step (the program compiled with the mode-canonical
+  LossConfig, see `_program_loss`)."""
+  layout = pack(sequences, range(len(sequences)), ctx.update.train_seq_len)
+  first_rows = next(micro_batches(layout, sequences, ctx.update.micro_batch_rows, {}, {}))
+  grads, merged = minibatch_grads(
+      setup.params, sequences, np.arange(len(sequences)), advantages,
+      {"old_logp": old_logp, "rollout_logp": rollout_logp, "ref_logp": ref_logp}, in_loss, ctx,
+      loss=_program_loss(setup, ctx.loss, first_rows))
+  return jax.device_get(grads), merged
 
 
 # ---- fixtures --------------------------------------------------------------------------
@@ -329,10 +315,11 @@ def test_grpo_loss_and_grads_match_torch(setups, kind, loss, mask_one):
   oracle_adv = _oracle_advantages(REWARDS)
   np.testing.assert_allclose(advantages, oracle_adv, rtol=1e-6)
   ref_logp = score_sequences(setup.ref_params, seqs, ctx)
-  grads, metrics, num_micro, layout = _project_grads(
+  grads, metrics = _project_grads(
       setup, seqs, advantages, setup.old_logp, rollout_logp, ref_logp, in_loss, ctx)
-  assert num_micro >= 2 and layout.num_rows > MICRO_ROWS
-  assert layout.num_rows < len(seqs)   # some rows hold several samples (segment ids matter)
+  assert metrics["train/micro_batches"] >= 2 and metrics["train/rows"] > MICRO_ROWS
+  # Some rows hold several samples (segment ids matter).
+  assert metrics["train/rows"] < len(seqs)
 
   setup.hf.zero_grad(set_to_none=True)
   oracle, stats = _oracle_loss(setup.hf, seqs, oracle_adv, setup.old_logp, rollout_logp,

@@ -150,6 +150,36 @@ def logprob_gap(trainer_logp: Sequence[np.ndarray], rollout_logp: Sequence[np.nd
           "rollout/logprob_diff_max": float(flat.max())}
 
 
+def minibatch_grads(params: Params, sequences: Sequences, mini_batch: Sequence[int],
+                    advantages: np.ndarray, per_token: dict[str, Sequence[np.ndarray]],
+                    in_loss: np.ndarray, ctx: UpdateContext,
+                    loss: LossConfig | None = None) -> tuple[Params, dict[str, float]]:
+  """The gradient of one mini-batch's loss (sequences `mini_batch`), accumulated over its
+  packed micro-batches, and its metric sums. `loss` overrides the program's LossConfig
+  (the aggregation mode only shapes the host-side weights, never the program)."""
+  n = len(sequences)
+  masked_lengths = np.array([len(r) for r in sequences.responses]) * in_loss
+  weights = np.zeros(n, np.float32)
+  weights[mini_batch] = sequence_weights(masked_lengths[mini_batch], ctx.loss.loss_agg_mode,
+                                         ctx.max_response_len)
+  tokens = max(int(masked_lengths[mini_batch].sum()), 1)
+  layout = pack(sequences, mini_batch, ctx.update.train_seq_len)
+  grads = zero_grads(params)
+  sums: list[dict[str, jax.Array]] = []
+  for rows in micro_batches(layout, sequences, ctx.update.micro_batch_rows, per_token,
+                            per_sequence={"advantages": advantages, "loss_weights": weights,
+                                          "metric_weights": in_loss.astype(np.float32) / tokens}):
+    grads, micro_metrics = accumulate_grads(params, grads, rows, config=ctx.config,
+                                            sampling=ctx.sampling, loss=loss or ctx.loss,
+                                            rules=ctx.rules, remat=ctx.update.remat)
+    sums.append(micro_metrics)
+  sums = jax.device_get(sums)
+  merged = {k: (max if k.endswith("_max") else sum)(m[k] for m in sums) for k in sums[0]}
+  merged["train/micro_batches"] = len(sums)
+  merged["train/rows"] = layout.num_rows
+  return grads, merged
+
+
 def update_policy(state: PolicyState, sequences: Sequences, advantages: np.ndarray,
                   rollout_logp: Sequence[np.ndarray], ref_logp: Sequence[np.ndarray] | None,
                   in_loss: np.ndarray, ctx: UpdateContext, seed: int
@@ -170,30 +200,14 @@ def update_policy(state: PolicyState, sequences: Sequences, advantages: np.ndarr
     old_logp = score_sequences(state.params, sequences, ctx)
     metrics.update(logprob_gap(old_logp, rollout_logp, in_loss))
   rng = np.random.default_rng(seed)
-  masked_lengths = np.array([len(r) for r in sequences.responses]) * in_loss
+  per_token = {"old_logp": old_logp, "rollout_logp": rollout_logp, "ref_logp": ref_logp}
   step_sums: list[dict[str, float]] = []
-  for epoch in range(ctx.update.ppo_epochs):
+  for _ in range(ctx.update.ppo_epochs):
     order = rng.permutation(n) if ctx.update.num_mini_batches > 1 else np.arange(n)
     for mini_batch in np.array_split(order, ctx.update.num_mini_batches):
-      weights = np.zeros(n, np.float32)
-      weights[mini_batch] = sequence_weights(masked_lengths[mini_batch],
-                                             ctx.loss.loss_agg_mode, ctx.max_response_len)
-      tokens = max(int(masked_lengths[mini_batch].sum()), 1)
-      layout = pack(sequences, mini_batch, ctx.update.train_seq_len)
-      grads = zero_grads(state.params)
-      sums: list[dict[str, jax.Array]] = []
-      for rows in micro_batches(
-          layout, sequences, ctx.update.micro_batch_rows,
-          per_token={"old_logp": old_logp, "rollout_logp": rollout_logp, "ref_logp": ref_logp},
-          per_sequence={"advantages": advantages, "loss_weights": weights,
-                        "metric_weights": in_loss.astype(np.float32) / tokens}):
-        grads, micro_metrics = accumulate_grads(
-            state.params, grads, rows, config=ctx.config, sampling=ctx.sampling,
-            loss=ctx.loss, rules=ctx.rules, remat=ctx.update.remat)
-        sums.append(micro_metrics)
+      grads, merged = minibatch_grads(state.params, sequences, mini_batch, advantages,
+                                      per_token, in_loss, ctx)
       state, grad_norm = apply_grads(state, grads, optimizer=ctx.optimizer)
-      sums = jax.device_get(sums)
-      merged = {k: (max if k.endswith("_max") else sum)(m[k] for m in sums) for k in sums[0]}
       merged["actor/grad_norm"] = float(grad_norm)
       step_sums.append(merged)
   if ctx.update.updates_per_step == 1:
