@@ -14,10 +14,9 @@ class CharTokenizer:
     return "".join(ALPHABET[int(i)] for i in ids)
 
 
-def letter_share_reward(response: str, ground_truth: str, data_source: str,
-                        extra_info: dict) -> float:
-  """The share of the response's characters in `ground_truth` (0 for an empty response):
-  deterministic, and it varies with what was sampled."""
-  if not response:
-    return 0.0
-  return sum(c in ground_truth for c in response) / len(response)
+def variety_reward(response: str, ground_truth: str, data_source: str,
+                   extra_info: dict) -> float:
+  """The share of distinct characters in the response (0 when empty): deterministic, it
+  varies from sample to sample and moves with the sampling temperature (sharper sampling
+  repeats more)."""
+  return len(set(response)) / len(response) if response else 0.0

@@ -80,7 +80,7 @@ def apply_grads(state: PolicyState, grads: Params, *, optimizer: optax.GradientT
                 ) -> tuple[PolicyState, jax.Array]:
   """One optimizer step; returns the new state and the gradient's global norm (before
   clipping)."""
-  grad_norm = optax.global_norm(grads)
+  grad_norm = optax.tree.norm(grads)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   return PolicyState(params=params, opt_state=opt_state, step=state.step + 1), grad_norm
