@@ -7,7 +7,9 @@ scored at slot s + p - 1 + k. Per-token fields (advantages, log-probs, weights) 
 the host per sequence and are scattered into whichever layout a pass uses, so the old and
 reference log-probs computed over one layout serve mini-batches packed another way.
 Micro-batches are `micro_rows` rows; the last is padded to a power of two, so the train
-programs are keyed by a small, known set of row counts.
+programs are keyed by a small, known set of row counts. Only response slots need the LM
+head (a fifth of a small model's FLOPs per token), so each micro-batch lists them in
+`scored_slots`, padded to a quarter-step of its slot count (`scored_slot_count`).
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ class TrainRows:
   ref_logp: np.ndarray        # [R, T] float32: reference policy (zeros without KL)
   loss_weights: np.ndarray    # [R, T] float32: aggregation weight, 0 outside the loss
   metric_weights: np.ndarray  # [R, T] float32: mask / tokens in the mini-batch
+  scored_slots: np.ndarray    # [K] int32: flat slots (r * T + t) that score a response
+                              # token, padded with R * T (out of range: dropped)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +108,12 @@ def possible_row_counts(micro_rows: int) -> list[int]:
   return sorted(counts)
 
 
+def scored_slot_count(response_slots: int, total_slots: int) -> int:
+  """K for `scored_slots`: the smallest quarter of `total_slots` that holds them all."""
+  quarter = -(-total_slots // 4)
+  return min(total_slots, max(quarter, -(-response_slots // quarter) * quarter))
+
+
 def micro_batches(layout: Layout, sequences: Sequences, micro_rows: int,
                   per_token: dict[str, Sequence[np.ndarray]],
                   per_sequence: dict[str, np.ndarray]) -> Iterator[TrainRows]:
@@ -116,7 +126,8 @@ def micro_batches(layout: Layout, sequences: Sequences, micro_rows: int,
   shape = (total, layout.seq_len)
   tokens, positions, segments = (np.zeros(shape, np.int32) for _ in range(3))
   fields = {name: np.zeros(shape, np.float32) for name in TrainRows.__dataclass_fields__
-            if name not in ("tokens", "positions", "segment_ids")}
+            if name not in ("tokens", "positions", "segment_ids", "scored_slots")}
+  scored = np.zeros(shape, bool).reshape(-1)
   flat = {name: a.reshape(-1) for name, a in fields.items()}
   for k, i in enumerate(layout.indices):
     r, s, n = layout.rows[k], layout.starts[k], sequences.length(i)
@@ -125,15 +136,21 @@ def micro_batches(layout: Layout, sequences: Sequences, micro_rows: int,
     # Segment ids only need to differ between neighbours of a row: the sample's rank in it.
     segments[r, s:s + n] = k + 1
     slots = response_slots(layout, sequences, k)
+    scored[slots] = True
     for name, values in per_token.items():
       flat[name][slots] = values[i]
     for name, values in per_sequence.items():
       flat[name][slots] = values[i]
+  scored = scored.reshape(shape)
   start = 0
   for count in counts:
     rows = slice(start, start + count)
+    slots = np.flatnonzero(scored[rows])
+    padded = np.full(scored_slot_count(len(slots), count * layout.seq_len),
+                     count * layout.seq_len, np.int32)
+    padded[:len(slots)] = slots
     yield TrainRows(tokens=tokens[rows], positions=positions[rows],
-                    segment_ids=segments[rows],
+                    segment_ids=segments[rows], scored_slots=padded,
                     **{name: a[rows] for name, a in fields.items()})
     start += count
 

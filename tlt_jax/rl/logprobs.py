@@ -22,14 +22,20 @@ def token_logprobs(params: Params, config: ModelConfig, rows: TrainRows,
                    sampling: SamplingParams, rules: MeshRules | None = None,
                    remat: bool = False) -> tuple[jax.Array, jax.Array]:
   """(logp, entropy) [R, T]: slot j's log-prob of the token at j + 1 and the entropy of
-  slot j's distribution. Values at slots outside a response are meaningless (finite)."""
+  slot j's distribution, at the response slots `rows.scored_slots`; 0 elsewhere (only
+  those slots go through the LM head)."""
   hidden = forward_packed(params, config, rows.tokens, rows.positions, rows.segment_ids,
                           rules, remat)
-  logp_all = policy_logprobs(lm_logits(params, config, hidden, rules), sampling)
-  next_tokens = jnp.pad(rows.tokens[:, 1:], ((0, 0), (0, 1)))
-  logp = jnp.take_along_axis(logp_all, next_tokens[..., None], axis=-1)[..., 0]
+  r, t, e = hidden.shape
+  slots = rows.scored_slots
+  take = lambda x: jnp.take(x.reshape(r * t, *x.shape[2:]), slots, axis=0, mode="clip")
+  logp_all = policy_logprobs(lm_logits(params, config, take(hidden), rules), sampling)  # [K, V]
+  next_tokens = take(jnp.pad(rows.tokens[:, 1:], ((0, 0), (0, 1))))
+  logp = jnp.take_along_axis(logp_all, next_tokens[:, None], axis=-1)[:, 0]
   entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
-  return logp, entropy
+  # Padding entries point past the last slot: the gather clamps them, the scatter drops them.
+  scatter = lambda x: jnp.zeros((r * t,), x.dtype).at[slots].set(x, mode="drop").reshape(r, t)
+  return scatter(logp), scatter(entropy)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "sampling", "rules"))
