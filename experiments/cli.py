@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging as std_logging
 import os
 import sys
 import tempfile
@@ -26,18 +27,37 @@ def _parse_flags(argv: list[str]) -> list[str]:
     fail(str(e).replace("\n", " "))
 
 
+def _drop_orbax_tracebacks(record: std_logging.LogRecord) -> bool:
+  """Orbax logs a background save's exception with its traceback, then re-raises it to the
+  caller (save / wait_until_finished), which reports it as one line: the log is a duplicate."""
+  return not (record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
+def _quiet_unraisable(unraisable) -> None:
+  """After a failed orbax write, tensorstore completes the other writes into asyncio loops
+  orbax already closed; the 'Event loop is closed' each raises is noise, not the fault."""
+  if not (isinstance(unraisable.exc_value, RuntimeError)
+          and str(unraisable.exc_value) == "Event loop is closed"):
+    sys.__unraisablehook__(unraisable)
+
+
 def run(main: Callable[[list[str]], Any]) -> None:
-  """`app.run` with bad flags and `UserInputError`s reported as one line, exit code 2."""
+  """`app.run` with bad flags, `UserInputError`s and I/O failures (a full disk, a
+  read-only dir) reported as one line, exit code 2."""
 
   def guarded(argv):
     if len(argv) > 1:
       fail(f"unexpected arguments: {' '.join(argv[1:])}")
     if not flags.FLAGS["verbosity"].present:
       logging.set_verbosity(logging.WARNING)  # jax and orbax log chatty INFO lines
+      std_logging.getLogger("absl").addFilter(_drop_orbax_tracebacks)
+      sys.unraisablehook = _quiet_unraisable
     try:
       return main(argv)
     except UserInputError as e:
       fail(str(e))
+    except OSError as e:
+      fail(f"{e.filename}: {e.strerror}" if e.filename and e.strerror else f"I/O error: {e}")
 
   app.run(guarded, flags_parser=_parse_flags)
 

@@ -212,8 +212,9 @@ def build_run(total_steps: int) -> Run:
   import jax.numpy as jnp
 
   from tlt_jax import optim
-  from tlt_jax.data.rl_data import PromptStream, build_rl_data, parse_task_spec
-  from tlt_jax.models.loading import load_model
+  from tlt_jax.data.rl_data import (PromptStream, load_rl_records, parse_task_spec,
+                                    tokenize_rl_data)
+  from tlt_jax.models.loading import BUNDLED_SMOLLM2, load_model
   from tlt_jax.rl.learner import Learner, StepConfig
   from tlt_jax.rl.rewards import RewardPool, RewardSpec
   from tlt_jax.rl.rollout import RolloutSettings
@@ -229,6 +230,8 @@ def build_run(total_steps: int) -> Run:
     raise UserInputError(f"--reward_timeout_s={_REWARD_TIMEOUT.value}: must be > 0")
   if _TASKS.value is not None:
     parse_task_spec(_TASKS.value)
+  if _MODEL.value != BUNDLED_SMOLLM2 and not os.path.exists(_MODEL.value):
+    raise UserInputError(f"--model={_MODEL.value}: no such file or directory")
   for flag in (_TRAIN_FILE, _VAL_FILE):
     if flag.value is not None and not os.path.isfile(flag.value):
       raise UserInputError(f"--{flag.name}={flag.value}: no such file")
@@ -256,14 +259,14 @@ def build_run(total_steps: int) -> Run:
                                    weight_decay=_WEIGHT_DECAY.value, clip_norm=_GRAD_CLIP.value,
                                    b2=_ADAM_B2.value, schedule=_LR_SCHEDULE.value)
 
+  records = load_rl_records(seed=_SEED.value, tasks=_TASKS.value, train_file=_TRAIN_FILE.value,
+                            val_file=_VAL_FILE.value, num_train=_NUM_TRAIN.value,
+                            num_val=_NUM_VAL.value, on_bad_row=_ON_BAD_ROW.value)
   dtype = jnp.dtype(_DTYPE.value)
   print(f"loading {_MODEL.value} ...", file=sys.stderr)
   model = load_model(_MODEL.value, dtype=dtype)
   tokenizer = model.require_tokenizer()
-  data = build_rl_data(tokenizer=tokenizer, max_prompt_len=_MAX_PROMPT_LEN.value,
-                       seed=_SEED.value, tasks=_TASKS.value, train_file=_TRAIN_FILE.value,
-                       val_file=_VAL_FILE.value, num_train=_NUM_TRAIN.value,
-                       num_val=_NUM_VAL.value, on_bad_row=_ON_BAD_ROW.value)
+  data = tokenize_rl_data(records, tokenizer, _MAX_PROMPT_LEN.value)
   counts = data.counts
   print(f"data: {counts['num_train']} train / {counts['num_val']} val prompts "
         f"({counts['train_filtered'] + counts['val_filtered']} over --max_prompt_len, "

@@ -14,8 +14,9 @@ from tlt_jax.data.rl_sources import (ANSWER_INSTRUCTION, PromptRecord, TaskSpec,
 from tlt_jax.errors import UserInputError
 
 __all__ = ["ANSWER_INSTRUCTION", "PromptItem", "PromptRecord", "PromptStream", "RLData",
-           "TaskSpec", "build_rl_data", "gym_records", "load_prompt_file", "parse_task_spec",
-           "to_items", "tokenize_records"]
+           "RLRecords", "TaskSpec", "build_rl_data", "gym_records", "load_prompt_file",
+           "load_rl_records", "parse_task_spec", "to_items", "tokenize_records",
+           "tokenize_rl_data"]
 
 _STATE_VERSION = 1
 
@@ -115,10 +116,27 @@ class RLData:
   counts: dict[str, int]  # filtered / skipped tallies for the run log
 
 
+@dataclasses.dataclass(frozen=True)
+class RLRecords:
+  train: list[PromptRecord]
+  val: list[PromptRecord]
+  counts: dict[str, int]  # bad rows skipped
+
+
 def build_rl_data(*, tokenizer: Any, max_prompt_len: int, seed: int, tasks: str | None = None,
                   train_file: str | None = None, val_file: str | None = None,
                   num_train: int = 0, num_val: int = 0, on_bad_row: str = "fail") -> RLData:
-  """Train pairs + validation items from `--tasks` or `--train_file`, all checked up front.
+  """Train pairs + validation items from `--tasks` or `--train_file`, all checked up front."""
+  records = load_rl_records(seed=seed, tasks=tasks, train_file=train_file, val_file=val_file,
+                            num_train=num_train, num_val=num_val, on_bad_row=on_bad_row)
+  return tokenize_rl_data(records, tokenizer, max_prompt_len)
+
+
+def load_rl_records(*, seed: int, tasks: str | None = None, train_file: str | None = None,
+                    val_file: str | None = None, num_train: int = 0, num_val: int = 0,
+                    on_bad_row: str = "fail") -> RLRecords:
+  """The train / validation records, without a tokenizer: bad rows are reported before the
+  model loads.
 
   Validation: `--val_file` if given, else `num_val` prompts from a separate seed (tasks) or
   held out of the train file by a seeded shuffle; its prompts never appear in training.
@@ -153,9 +171,15 @@ def build_rl_data(*, tokenizer: Any, max_prompt_len: int, seed: int, tasks: str 
     train_records = [r for r in train_records if r.key() not in val_keys]
     if not train_records:
       raise UserInputError(f"{train_file}: every prompt is also in the validation set")
-  train, counts["train_filtered"] = tokenize_records(train_records, tokenizer, max_prompt_len)
+  return RLRecords(train=train_records, val=val_records, counts=counts)
+
+
+def tokenize_rl_data(records: RLRecords, tokenizer: Any, max_prompt_len: int) -> RLData:
+  """`records` tokenized, prompts over `max_prompt_len` dropped and counted."""
+  counts = dict(records.counts)
+  train, counts["train_filtered"] = tokenize_records(records.train, tokenizer, max_prompt_len)
   val_pairs, counts["val_filtered"] = ([], 0)
-  if val_records:
-    val_pairs, counts["val_filtered"] = tokenize_records(val_records, tokenizer, max_prompt_len)
+  if records.val:
+    val_pairs, counts["val_filtered"] = tokenize_records(records.val, tokenizer, max_prompt_len)
   counts.update(num_train=len(train), num_val=len(val_pairs))
   return RLData(train=train, val=to_items(val_pairs), counts=counts)

@@ -214,7 +214,8 @@ def load_prompt_file(path: str, on_bad_row: str = "fail") -> tuple[list[PromptRe
       records.append(_file_record(row))
     except _BadRow as e:
       if on_bad_row == "fail":
-        raise UserInputError(f"{path}: {where}: {e}") from None
+        raise UserInputError(f"{path}: {where}: {e} (--on_bad_row=skip skips such rows)"
+                             ) from None
       skipped += 1
   if not records:
     raise UserInputError(f"{path}: no usable rows ({skipped} bad rows skipped)")

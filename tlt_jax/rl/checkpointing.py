@@ -10,6 +10,7 @@ killed midway never hides the last good checkpoint; `latest_step` sees finished 
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import jax
@@ -70,7 +71,19 @@ class RunCheckpoints:
   def _guard(self, action) -> None:
     try:
       action()
-    except (OSError, ValueError) as e:
-      raise UserInputError(f"{self.directory}: checkpoint save failed "
-                           f"({str(e).splitlines()[0][:300]}); the last good checkpoint is "
-                           f"step {self._manager.latest_step()}") from None
+    except (OSError, ValueError) as e:  # tensorstore write errors arrive as ValueError
+      last = self._manager.latest_step()
+      kept = "no checkpoint yet" if last is None else f"the last good checkpoint is step {last}"
+      raise UserInputError(f"{self.directory}: checkpoint save failed ({_reason(e)}); "
+                           f"{kept}") from None
+
+
+def _reason(error: Exception) -> str:
+  """The OS cause (e.g. 'No space left on device') when the error carries one: tensorstore's
+  messages bury it after several long paths."""
+  if isinstance(error, OSError) and error.strerror:
+    return error.strerror
+  code = re.search(r"os_error_code='(\d+)'", str(error))
+  if code:
+    return os.strerror(int(code.group(1)))
+  return (str(error).splitlines() or [type(error).__name__])[0][:300]
