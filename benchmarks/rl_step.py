@@ -1,0 +1,434 @@
+"""One RL step side by side: tlt_jax vs TRL's GRPOTrainer vs Tunix's GRPO learner.
+
+  python benchmarks/rl_step.py [--steps=4] [--repeats=3] [--sides=project,trl,tunix]
+      [--output_json=FILE]
+
+Same workload on every side (DESIGN 4c): reasoning-gym basic_arithmetic (2 terms of 1-2
+digits, seed 42), --prompts x --group responses per step, prompts <= 128 tokens, up to
+--max_new_tokens new tokens at T=1, KL 0.04 to a reference model, one AdamW update (lr 1e-6,
+weight decay 0.01, grad clip 1) per step over all responses, accumulated over micro-batches
+of ~8 responses, full fine-tune of SmolLM2-135M-Instruct in fp32. Every side sees the same
+prompts in the same order: the project's own prompt stream, written to a file the peers read.
+
+Each side is its own process (the project: `python -m experiments.run`; the peers: drivers in
+benchmarks/peers/, each in its own venv under --bench_dir, installed on first use), so the
+sides alternate at the granularity of whole runs: A B C A B C ..., --repeats rounds of
+--steps steps each. Step 1 of every run (compilation, warm-up) is dropped; the report has
+medians of the per-step phase times (rollout / reference / train / total) over steps 2..N,
+peak RSS, paired per-round ratios of the project against the faster peer, the CPU's jitted
+fp32 matmul throughput at training-like shapes (measured here, before and after the runs)
+and the project's train-phase FLOP rate (6 x params x trained tokens per second; the
+reference forward, 2 x params x tokens, beside it), so "train phase at >= 70% of the matmul
+throughput" can be read off. One JSON object on stdout (and in --output_json).
+"""
+from __future__ import annotations
+
+import gc
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from benchmarks.report import emit  # noqa: E402
+from absl import flags  # noqa: E402
+from experiments import cli  # noqa: E402
+from tlt_jax.errors import UserInputError  # noqa: E402
+
+SIDES = ("project", "project_sd", "trl", "tunix")
+PEERS = ("trl", "tunix")
+PROJECT_SIDES = ("project", "project_sd")
+PEER_DRIVERS = {"trl": "benchmarks/peers/trl_grpo.py", "tunix": "benchmarks/peers/tunix_grpo.py"}
+# What each peer venv gets (never a project dependency). trl is pinned because its driver
+# wraps trainer methods by name; torch 2.13.0 is this machine's local CPU wheel.
+PEER_PACKAGES = {"trl": ["trl==1.16.0", "torch==2.13.0"], "tunix": ["google-tunix==0.1.7"]}
+STEP_PREFIX = "BENCH_STEP "   # the drivers' per-step JSON lines
+PHASES = ("rollout_s", "reference_s", "reward_s", "train_s", "step_s")
+
+_STEPS = flags.DEFINE_integer("steps", 4, "RL steps per run; step 1 (warm-up) is not timed.",
+                              lower_bound=2)
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Rounds of alternated runs (one run per side "
+                                "per round).", lower_bound=1)
+_SIDES = flags.DEFINE_list("sides", ["project", "trl", "tunix"],
+                           f"Sides to run, in round order: {', '.join(SIDES)}.")
+_PROMPTS = flags.DEFINE_integer("prompts", 8, "Prompts per step.", lower_bound=1)
+_GROUP = flags.DEFINE_integer("group", 4, "Responses per prompt.", lower_bound=2)
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Response length cap.", lower_bound=1)
+_MAX_PROMPT = flags.DEFINE_integer("max_prompt_len", 128, "Longer prompts are dropped.")
+_MICRO = flags.DEFINE_integer("micro_batch_responses", 8, "Peers: responses per micro-batch "
+                              "(TRL per_device_train_batch_size; Tunix train and log-prob "
+                              "micro-batches are this / --group prompts).", lower_bound=1)
+_PROJECT_MICRO_ROWS = flags.DEFINE_integer(
+    "project_micro_rows", 4, "Project --micro_batch_rows (packed rows of 256 slots at 128 "
+    "new tokens): 4 rows hold ~6-8 of these ~50-token prompts with their responses, the "
+    "peers' 8 responses per micro-batch.", lower_bound=1)
+_TRL_CHECKPOINTING = flags.DEFINE_bool(
+    "trl_gradient_checkpointing", False, "TRL with activation recomputation (its GRPOConfig "
+    "default); off by default, like the project's --remat, so both train phases do the "
+    "same FLOPs.")
+_TUNIX_PAD = flags.DEFINE_integer("tunix_prompt_pad", 64, "Tunix max_prompt_length: every "
+                                  "prompt is left-padded to it (these prompts are ~50 tokens).",
+                                  lower_bound=1)
+_TASKS = flags.DEFINE_string("tasks", "basic_arithmetic:min_terms=2,max_terms=2,min_digits=1,"
+                             "max_digits=2", "reasoning-gym task spec (experiments.run --tasks).")
+_SEED = flags.DEFINE_integer("seed", 42, "Data seed (task generation and prompt order) and "
+                             "every side's sampling seed; the same in every round.")
+_NUM_TRAIN = flags.DEFINE_integer("num_train", 256, "Prompt pool the stream draws from.")
+_KL = flags.DEFINE_float("kl_coef", 0.04, "KL-to-reference coefficient.")
+_LR = flags.DEFINE_float("lr", 1e-6, "AdamW learning rate.")
+_OUTPUT = flags.DEFINE_string("output_json", None, "Also write the JSON here.")
+_BENCH_DIR = flags.DEFINE_string("bench_dir", ".bench_venvs", "Peer venvs, the HF copy of "
+                                 "SmolLM2, the prompt file, run dirs and logs.")
+_RUN_TIMEOUT = flags.DEFINE_integer("run_timeout_s", 7200, "Kill a side's run after this.")
+_DRAFTER = flags.DEFINE_string("drafter", "assets/drafter_smollm2", "project_sd's drafter.")
+_SD_FLAGS = flags.DEFINE_list("sd_flags", ["--strategy=4_1_5", "--sd_threshold=16",
+                                           "--sd_patience=4"], "project_sd's SD flags.")
+_MATMUL_REPS = flags.DEFINE_integer("matmul_reps", 5, "Timed calls per matmul shape.",
+                                    lower_bound=1)
+
+
+def log(message: str) -> None:
+  print(message, file=sys.stderr, flush=True)
+
+
+# ---- one-time preparation ---------------------------------------------------------------
+
+def ensure_venv(bench_dir: str, peer: str) -> str:
+  """The peer's venv (made and installed on first use, or when its package list changes);
+  returns its python. reasoning-gym is pinned to the project's version: same scorer."""
+  venv = os.path.join(bench_dir, peer)
+  python = os.path.join(venv, "bin", "python")
+  packages = PEER_PACKAGES[peer] + [f"reasoning-gym=={importlib.metadata.version('reasoning_gym')}"]
+  marker = os.path.join(venv, ".bench_packages.json")
+  if os.path.isfile(python) and os.path.isfile(marker):
+    with open(marker) as f:
+      if json.load(f) == packages:
+        return python
+  log(f"installing {peer} venv in {venv}: pip install {' '.join(packages)} (minutes)")
+  if not os.path.isfile(python):
+    subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+  result = subprocess.run([python, "-m", "pip", "install", "-q", *packages],
+                          capture_output=True, text=True)
+  if result.returncode != 0:
+    raise UserInputError(f"{peer}: pip install failed:\n{result.stderr[-3000:]}")
+  with open(marker, "w") as f:
+    json.dump(packages, f)
+  return python
+
+
+def ensure_hf_model(bench_dir: str) -> str:
+  """SmolLM2 as an HF dir (config.json + safetensors + tokenizer) for the peers, written once
+  from the project's fp32 load of the bundled GGUF, so every side starts from the same
+  weights."""
+  out = os.path.join(bench_dir, "smollm2_hf")
+  if os.path.isfile(os.path.join(out, "model.safetensors")):
+    return out
+  import jax.numpy as jnp
+  from tlt_jax.models.hf import save_hf_dir
+  from tlt_jax.models.loading import load_model
+  log(f"writing {out} from the bundled GGUF")
+  model = load_model("smollm2", dtype=jnp.float32)
+  save_hf_dir(model.params, model.config, out, tokenizer=model.tokenizer)
+  del model
+  gc.collect()
+  return out
+
+
+def write_prompts(bench_dir: str, total_steps: int) -> tuple[str, int, str]:
+  """The prompts the project's run draws, batch by batch (its own data builder and stream,
+  same flags), as JSONL for the peers; returns (path, prompt tokens max, sha1)."""
+  from tlt_jax.data.rl_data import PromptStream, build_rl_data
+  from tlt_jax.models.bundled import smollm2_gguf_path
+  from tlt_jax.models.tokenizer import Tokenizer
+  tokenizer = Tokenizer.from_gguf(smollm2_gguf_path())
+  data = build_rl_data(tokenizer=tokenizer, max_prompt_len=_MAX_PROMPT.value, seed=_SEED.value,
+                       tasks=_TASKS.value, num_train=_NUM_TRAIN.value, num_val=0)
+  stream = PromptStream(data.train, _PROMPTS.value, _SEED.value)
+  path = os.path.join(bench_dir, "prompts.jsonl")
+  longest = 0
+  with open(path + ".tmp", "w") as f:
+    for _ in range(total_steps):
+      for item in stream.next_batch():
+        record = item.record
+        longest = max(longest, len(item.prompt_ids))
+        f.write(json.dumps({"messages": record.messages(),
+                            "text": tokenizer.render_chat(record.messages()),
+                            "prompt_ids": list(item.prompt_ids),
+                            "ground_truth": record.ground_truth,
+                            "data_source": record.data_source,
+                            "extra_info": record.extra_info}) + "\n")
+  os.replace(path + ".tmp", path)
+  with open(path, "rb") as f:
+    digest = hashlib.sha1(f.read()).hexdigest()
+  return path, longest, digest
+
+
+# ---- CPU reference: matmul throughput ---------------------------------------------------
+
+def matmul_throughput(config, tokens: int) -> dict:
+  """GFLOP/s of jitted fp32 matmuls at one micro-batch's shapes ([tokens, in] x [in, out]
+  for qkv, o, gate+up, down; the LM head on half the tokens, as only response slots need
+  it). `gflops` weighs them as a forward does (each layer shape num_layers times, the head
+  once): total FLOPs / total time."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  e, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+  hq, hk = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+  layers = config.num_layers
+  shapes = {"qkv": ((tokens, e, hq + 2 * hk), layers), "o": ((tokens, hq, e), layers),
+            "gate_up": ((tokens, e, 2 * f), layers), "down": ((tokens, f, e), layers),
+            "lm_head": ((max(tokens // 2, 1), e, v), 1)}
+  matmul = jax.jit(jnp.matmul)
+  out, total_flops, total_s = {}, 0.0, 0.0
+  for name, ((m, k, n), count) in shapes.items():
+    a = jax.random.normal(jax.random.key(0), (m, k), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (k, n), jnp.float32)
+    for _ in range(2):
+      matmul(a, b).block_until_ready()
+    times = []
+    for _ in range(_MATMUL_REPS.value):
+      start = time.perf_counter()
+      matmul(a, b).block_until_ready()
+      times.append(time.perf_counter() - start)
+    seconds = float(np.median(times))
+    flops = 2.0 * m * k * n
+    out[name] = {"shape": [m, k, n], "gflops": flops / seconds / 1e9}
+    total_flops += count * flops
+    total_s += count * seconds
+  return {"gflops": total_flops / total_s / 1e9, "per_shape": out, "tokens": tokens}
+
+
+# ---- running one side -------------------------------------------------------------------
+
+def project_command(side: str, run_dir: str) -> list[str]:
+  cmd = [sys.executable, "-m", "experiments.run", f"--tasks={_TASKS.value}",
+         f"--seed={_SEED.value}", f"--num_train={_NUM_TRAIN.value}", "--num_val=0",
+         f"--prompts_per_step={_PROMPTS.value}", f"--group_size={_GROUP.value}",
+         f"--max_prompt_len={_MAX_PROMPT.value}", f"--max_new_tokens={_MAX_NEW.value}",
+         "--temperature=1", f"--kl_coef={_KL.value}", f"--lr={_LR.value}", "--adam_b2=0.999",
+         f"--micro_batch_rows={_PROJECT_MICRO_ROWS.value}", f"--steps={_STEPS.value}",
+         "--eval_every=0", "--reward=reasoning_gym", f"--run_dir={run_dir}",
+         f"--checkpoint_every={_STEPS.value}", "--keep_checkpoints=1",
+         f"--export_hf={os.path.join(run_dir, 'hf_export')}"]
+  if side == "project_sd":
+    cmd += [f"--drafter={_DRAFTER.value}", *_SD_FLAGS.value]
+  return cmd
+
+
+def micro_responses() -> int:
+  """The peers' micro-batch, at most one step's responses (tiny test runs)."""
+  return min(_MICRO.value, _PROMPTS.value * _GROUP.value)
+
+
+def peer_command(side: str, python: str, hf_dir: str, prompts: str, work_dir: str) -> list[str]:
+  cmd = [python, os.path.join(REPO, PEER_DRIVERS[side]), f"--model_dir={hf_dir}",
+         f"--prompts={prompts}", f"--steps={_STEPS.value}", f"--prompts_per_step={_PROMPTS.value}",
+         f"--group={_GROUP.value}", f"--max_new_tokens={_MAX_NEW.value}",
+         f"--micro_batch_responses={micro_responses()}", f"--kl_coef={_KL.value}",
+         f"--lr={_LR.value}", f"--seed={_SEED.value}", f"--work_dir={work_dir}"]
+  if side == "tunix":
+    cmd.append(f"--prompt_pad={_TUNIX_PAD.value}")
+  if side == "trl" and _TRL_CHECKPOINTING.value:
+    cmd.append("--gradient_checkpointing")
+  return cmd
+
+
+def project_records(run_dir: str, seq_len: int) -> list[dict]:
+  """metrics.jsonl rows in the drivers' schema; padded tokens are the packed slots the
+  micro-batches ran (row counts as batching.row_counts pads them)."""
+  from tlt_jax.rl.batching import row_counts
+  records = []
+  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    for line in f:
+      m = json.loads(line)
+      if m.get("step", 0) < 1:
+        continue
+      rows = int(m.get("train/rows", 0))
+      records.append({
+          "step": m["step"], "rollout_s": m["timing/rollout_s"],
+          "reference_s": m["timing/reference_s"], "reward_s": m["timing/reward_s"],
+          "train_s": m["timing/train_s"], "step_s": m["timing/step_s"],
+          "peak_rss_gib": m["mem/peak_rss_gib"], "train_tokens": m["perf/train_tokens"],
+          "padded_train_tokens": sum(row_counts(rows, _PROJECT_MICRO_ROWS.value)) * seq_len,
+          "response_tokens": m["response_len/mean"] * _PROMPTS.value * _GROUP.value,
+          "reward_mean": m["reward/mean"],
+          **({"sd_accept_len": m["spec/accept_len"]} if "spec/accept_len" in m else {})})
+  return records
+
+
+def run_side(side: str, round_index: int, ctx: dict) -> list[dict]:
+  """One run of `side` (a fresh process); its per-step records, step 1 included."""
+  work_dir = os.path.join(ctx["bench_dir"], "runs", f"{side}_r{round_index}")
+  shutil.rmtree(work_dir, ignore_errors=True)
+  os.makedirs(work_dir)
+  env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+             TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", JAX_PLATFORMS="cpu",
+             PYTHONUNBUFFERED="1")
+  if side in PROJECT_SIDES:
+    cmd = project_command(side, work_dir)
+  else:
+    cmd = peer_command(side, ctx["python"][side], ctx["hf_dir"], ctx["prompts"], work_dir)
+  ctx["commands"].setdefault(side, " ".join(cmd))
+  log_path = os.path.join(ctx["bench_dir"], "logs", f"{side}_r{round_index}.log")
+  log(f"round {round_index + 1}: {side} ({_STEPS.value} steps) -> {log_path}")
+  start = time.perf_counter()
+  with open(log_path, "w") as log_file:
+    try:
+      proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log_file,
+                            text=True, timeout=_RUN_TIMEOUT.value)
+    except subprocess.TimeoutExpired:
+      raise UserInputError(f"{side}: run over --run_timeout_s={_RUN_TIMEOUT.value}; see "
+                           f"{log_path}") from None
+  if proc.returncode != 0:
+    with open(log_path) as f:
+      tail = f.read()[-3000:]
+    raise UserInputError(f"{side}: exit code {proc.returncode}; {log_path} ends:\n{tail}")
+  if side in PROJECT_SIDES:
+    records = project_records(work_dir, ctx["seq_len"])
+  else:
+    records = [json.loads(line[len(STEP_PREFIX):]) for line in proc.stdout.splitlines()
+               if line.startswith(STEP_PREFIX)]
+  if len(records) != _STEPS.value:
+    raise UserInputError(f"{side}: {len(records)} step records, expected {_STEPS.value}; see "
+                         f"{log_path}")
+  shutil.rmtree(work_dir, ignore_errors=True)  # checkpoints: GBs per project run
+  log(f"  {side}: {time.perf_counter() - start:.0f} s, steps 2..: "
+      + ", ".join(f"{r['step_s']:.1f}s" for r in records[1:]))
+  return records
+
+
+# ---- summary ------------------------------------------------------------------------------
+
+def median_of(records: list[dict], key: str) -> float | None:
+  values = [r[key] for r in records if r.get(key) is not None]
+  return statistics.median(values) if values else None
+
+
+def side_summary(rounds: list[list[dict]], num_params: int, matmul_gflops: float) -> dict:
+  """Medians over the timed steps; FLOP rates count 6 x params per trained (unpadded prompt
+  + response) token for the train phase, 2 x params for the reference forward, and
+  `train_gflops_padded` the tokens as padded into the micro-batches."""
+  timed = [r for run in rounds for r in run[1:]]
+  medians = {k: median_of(timed, k) for k in PHASES}
+  tokens = {k: median_of(timed, k) for k in ("train_tokens", "padded_train_tokens",
+                                             "response_tokens", "reward_mean", "sd_accept_len")}
+
+  def rate(step_keys, flops_per_token, token_key):
+    values = [flops_per_token * num_params * r[token_key] / sum(r[k] for k in step_keys) / 1e9
+              for r in timed if r.get(token_key)]
+    return statistics.median(values) if values else None
+
+  flop_rates = {
+      "train_gflops": rate(["train_s"], 6, "train_tokens"),
+      "reference_gflops": rate(["reference_s"], 2, "train_tokens"),
+      "train_plus_reference_gflops": rate(["train_s", "reference_s"], 8, "train_tokens"),
+      "train_gflops_padded": rate(["train_s"], 6, "padded_train_tokens"),
+  }
+  for key in ("train", "reference", "train_plus_reference"):
+    gflops = flop_rates[f"{key}_gflops"]
+    flop_rates[f"{key}_frac_of_matmul"] = gflops / matmul_gflops if gflops else None
+  return {"median": medians, "median_tokens": {k: v for k, v in tokens.items() if v is not None},
+          "per_round_median": [{k: median_of(run[1:], k) for k in PHASES} for run in rounds],
+          "peak_rss_gib": max(r["peak_rss_gib"] for run in rounds for r in run),
+          **flop_rates, "timed_steps": len(timed), "steps": rounds}
+
+
+def paired(project_rounds: dict, peer_rounds: dict) -> dict:
+  """Per round: peer median / project median (> 1: the project is faster), and their median."""
+  out = {}
+  for key in ("rollout_s", "reference_s", "train_s", "step_s"):
+    ratios = [peer[key] / mine[key] for mine, peer in zip(project_rounds, peer_rounds)
+              if mine.get(key) and peer.get(key)]
+    out[key] = {"per_round": ratios, "median": statistics.median(ratios) if ratios else None}
+  return out
+
+
+def main(argv):
+  del argv
+  sides = list(dict.fromkeys(_SIDES.value))
+  unknown = [s for s in sides if s not in SIDES]
+  if unknown or not sides:
+    raise UserInputError(f"--sides: unknown {unknown} (choose from {', '.join(SIDES)})")
+  if "project_sd" in sides and not os.path.isdir(os.path.join(REPO, _DRAFTER.value)):
+    raise UserInputError(f"--drafter={_DRAFTER.value}: no such directory")
+  if (_PROMPTS.value * _GROUP.value) % micro_responses() or micro_responses() % _GROUP.value:
+    raise UserInputError(f"--micro_batch_responses={_MICRO.value}: must be a multiple of "
+                         f"--group and divide --prompts x --group (or exceed it)")
+  from tlt_jax.models.config import ModelConfig
+  from tlt_jax.rollout.buckets import round_up
+
+  bench_dir = os.path.abspath(_BENCH_DIR.value)
+  for sub in ("runs", "logs"):
+    os.makedirs(os.path.join(bench_dir, sub), exist_ok=True)
+  python = {peer: ensure_venv(bench_dir, peer) for peer in PEERS if peer in sides}
+  hf_dir = ensure_hf_model(bench_dir)
+  config = ModelConfig.from_hf_dir(hf_dir)
+  prompts, longest_prompt, prompts_sha1 = write_prompts(bench_dir, _STEPS.value)
+  if "tunix" in sides and longest_prompt > _TUNIX_PAD.value:
+    log(f"note: the longest prompt has {longest_prompt} tokens, over --tunix_prompt_pad="
+        f"{_TUNIX_PAD.value}: Tunix pads to the next power of two instead")
+  seq_len = round_up(_MAX_PROMPT.value + _MAX_NEW.value, 64)
+  ctx = {"bench_dir": bench_dir, "python": python, "hf_dir": hf_dir, "prompts": prompts,
+         "seq_len": seq_len, "commands": {}}
+
+  log("matmul throughput (start)")
+  matmul_start = matmul_throughput(config, _PROJECT_MICRO_ROWS.value * seq_len)
+  rounds: dict[str, list[list[dict]]] = {side: [] for side in sides}
+  for r in range(_REPEATS.value):
+    for side in sides:
+      rounds[side].append(run_side(side, r, ctx))
+  log("matmul throughput (end)")
+  matmul_end = matmul_throughput(config, _PROJECT_MICRO_ROWS.value * seq_len)
+  matmul_gflops = max(matmul_start["gflops"], matmul_end["gflops"])
+
+  summaries = {side: side_summary(rounds[side], config.num_params, matmul_gflops)
+               for side in sides}
+  for side in sides:
+    summaries[side]["command"] = ctx["commands"][side]
+  peers = [s for s in sides if s in PEERS]
+  faster_peer = min(peers, key=lambda s: summaries[s]["median"]["step_s"]) if peers else None
+  comparisons = {}
+  for mine in (s for s in sides if s in PROJECT_SIDES):
+    for peer in peers:
+      comparisons[f"{peer}_over_{mine}"] = paired(summaries[mine]["per_round_median"],
+                                                  summaries[peer]["per_round_median"])
+  report = {
+      "workload": {"model": f"SmolLM2-135M-Instruct (fp32, {config.num_params / 1e6:.1f}M "
+                            "params, full fine-tune)",
+                   "tasks": _TASKS.value, "seed": _SEED.value, "prompts": _PROMPTS.value,
+                   "group": _GROUP.value, "max_prompt_len": _MAX_PROMPT.value,
+                   "max_new_tokens": _MAX_NEW.value, "temperature": 1.0, "kl_coef": _KL.value,
+                   "lr": _LR.value, "peer_micro_batch_responses": micro_responses(),
+                   "trl_gradient_checkpointing": _TRL_CHECKPOINTING.value,
+                   "project_micro_batch_rows": _PROJECT_MICRO_ROWS.value,
+                   "project_train_seq_len": seq_len, "tunix_prompt_pad": _TUNIX_PAD.value,
+                   "longest_prompt_tokens": longest_prompt,
+                   "prompts_sha1": prompts_sha1},
+      "protocol": {"steps_per_run": _STEPS.value, "rounds": _REPEATS.value,
+                   "order": sides, "timed": "steps 2..N of every run (step 1: warm-up)",
+                   "ratios": "peer time / project time per round (> 1: project faster)",
+                   "note": "same prompts and seeds every round; each side samples its own "
+                           "tokens, so response lengths differ (see median_tokens)"},
+      "cpu": {"matmul_gflops": matmul_gflops, "matmul_start": matmul_start,
+              "matmul_end": matmul_end, "cpu_count": os.cpu_count(),
+              **{f"{side}_train_frac_of_matmul": summaries[side]["train_frac_of_matmul"]
+                 for side in sides if side in PROJECT_SIDES}},
+      "faster_peer": faster_peer,
+      "vs_faster_peer": {mine: comparisons[f"{faster_peer}_over_{mine}"]
+                         for mine in sides if mine in PROJECT_SIDES and faster_peer},
+      "paired": comparisons,
+      "sides": summaries,
+  }
+  emit(report, _OUTPUT.value)
+
+
+if __name__ == "__main__":
+  cli.run(main)
