@@ -13,13 +13,13 @@ prompts in the same order: the project's own prompt stream, written to a file th
 Each side is its own process (the project: `python -m experiments.run`; the peers: drivers in
 benchmarks/peers/, each in its own venv under --bench_dir, installed on first use), so the
 sides alternate at the granularity of whole runs: A B C A B C ..., --repeats rounds of
---steps steps each. Step 1 of every run (compilation, warm-up) is dropped; the report has
-medians of the per-step phase times (rollout / reference / train / total) over steps 2..N,
-peak RSS, paired per-round ratios of the project against the faster peer, the CPU's jitted
-fp32 matmul throughput at training-like shapes (measured here, before and after the runs)
-and the project's train-phase FLOP rate (6 x params x trained tokens per second; the
-reference forward, 2 x params x tokens, beside it), so "train phase at >= 70% of the matmul
-throughput" can be read off. One JSON object on stdout (and in --output_json).
+--steps steps each. The first --warmup_steps (1) of every run (compilation, warm-up) are
+dropped; the report has medians of the per-step phase times (rollout / reference / train /
+total) over the rest, peak RSS, paired per-round ratios of the project against the faster
+peer, the CPU's jitted fp32 matmul throughput at training-like shapes (measured here, before
+and after the runs) and the project's train-phase FLOP rate (6 x params x trained tokens per
+second; the reference forward, 2 x params x tokens, beside it), so "train phase at >= 70% of
+the matmul throughput" can be read off. One JSON object on stdout (and in --output_json).
 """
 from __future__ import annotations
 
@@ -52,8 +52,10 @@ PEER_PACKAGES = {"trl": ["trl==1.16.0", "torch==2.13.0"], "tunix": ["google-tuni
 STEP_PREFIX = "BENCH_STEP "   # the drivers' per-step JSON lines
 PHASES = ("rollout_s", "reference_s", "reward_s", "train_s", "step_s")
 
-_STEPS = flags.DEFINE_integer("steps", 4, "RL steps per run; step 1 (warm-up) is not timed.",
+_STEPS = flags.DEFINE_integer("steps", 4, "RL steps per run, --warmup_steps of them untimed.",
                               lower_bound=2)
+_WARMUP = flags.DEFINE_integer("warmup_steps", 1, "Untimed steps at the start of every run "
+                               "(compilation, caches).", lower_bound=1)
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Rounds of alternated runs (one run per side "
                                 "per round).", lower_bound=1)
 _SIDES = flags.DEFINE_list("sides", ["project", "trl", "tunix"],
@@ -259,7 +261,7 @@ def project_records(run_dir: str, seq_len: int) -> list[dict]:
           "peak_rss_gib": m["mem/peak_rss_gib"], "train_tokens": m["perf/train_tokens"],
           "padded_train_tokens": sum(row_counts(rows, _PROJECT_MICRO_ROWS.value)) * seq_len,
           "response_tokens": m["response_len/mean"] * _PROMPTS.value * _GROUP.value,
-          "reward_mean": m["reward/mean"],
+          "reward_mean": m["reward/mean"], "new_programs": m.get("compile/new_programs"),
           **({"sd_accept_len": m["spec/accept_len"]} if "spec/accept_len" in m else {})})
   return records
 
@@ -300,8 +302,8 @@ def run_side(side: str, round_index: int, ctx: dict) -> list[dict]:
     raise UserInputError(f"{side}: {len(records)} step records, expected {_STEPS.value}; see "
                          f"{log_path}")
   shutil.rmtree(work_dir, ignore_errors=True)  # checkpoints: GBs per project run
-  log(f"  {side}: {time.perf_counter() - start:.0f} s, steps 2..: "
-      + ", ".join(f"{r['step_s']:.1f}s" for r in records[1:]))
+  log(f"  {side}: {time.perf_counter() - start:.0f} s, timed steps: "
+      + ", ".join(f"{r['step_s']:.1f}s" for r in records[_WARMUP.value:]))
   return records
 
 
@@ -316,7 +318,8 @@ def side_summary(rounds: list[list[dict]], num_params: int, matmul_gflops: float
   """Medians over the timed steps; FLOP rates count 6 x params per trained (unpadded prompt
   + response) token for the train phase, 2 x params for the reference forward, and
   `train_gflops_padded` the tokens as padded into the micro-batches."""
-  timed = [r for run in rounds for r in run[1:]]
+  warmup = _WARMUP.value
+  timed = [r for run in rounds for r in run[warmup:]]
   medians = {k: median_of(timed, k) for k in PHASES}
   tokens = {k: median_of(timed, k) for k in ("train_tokens", "padded_train_tokens",
                                              "response_tokens", "reward_mean", "sd_accept_len")}
@@ -336,9 +339,13 @@ def side_summary(rounds: list[list[dict]], num_params: int, matmul_gflops: float
     gflops = flop_rates[f"{key}_gflops"]
     flop_rates[f"{key}_frac_of_matmul"] = gflops / matmul_gflops if gflops else None
   return {"median": medians, "median_tokens": {k: v for k, v in tokens.items() if v is not None},
-          "per_round_median": [{k: median_of(run[1:], k) for k in PHASES} for run in rounds],
+          "per_round_median": [{k: median_of(run[warmup:], k) for k in PHASES}
+                               for run in rounds],
           "peak_rss_gib": max(r["peak_rss_gib"] for run in rounds for r in run),
-          **flop_rates, "timed_steps": len(timed), "steps": rounds}
+          **flop_rates, "timed_steps": len(timed),
+          # Project only: timed steps that compiled new programs (their times include it).
+          "timed_steps_compiling": sum(1 for r in timed if r.get("new_programs")),
+          "steps": rounds}
 
 
 def paired(project_rounds: dict, peer_rounds: dict) -> dict:
@@ -359,6 +366,8 @@ def main(argv):
     raise UserInputError(f"--sides: unknown {unknown} (choose from {', '.join(SIDES)})")
   if "project_sd" in sides and not os.path.isdir(os.path.join(REPO, _DRAFTER.value)):
     raise UserInputError(f"--drafter={_DRAFTER.value}: no such directory")
+  if _STEPS.value <= _WARMUP.value:
+    raise UserInputError(f"--steps={_STEPS.value}: must exceed --warmup_steps={_WARMUP.value}")
   if (_PROMPTS.value * _GROUP.value) % micro_responses() or micro_responses() % _GROUP.value:
     raise UserInputError(f"--micro_batch_responses={_MICRO.value}: must be a multiple of "
                          f"--group and divide --prompts x --group (or exceed it)")
@@ -413,7 +422,8 @@ def main(argv):
                    "longest_prompt_tokens": longest_prompt,
                    "prompts_sha1": prompts_sha1},
       "protocol": {"steps_per_run": _STEPS.value, "rounds": _REPEATS.value,
-                   "order": sides, "timed": "steps 2..N of every run (step 1: warm-up)",
+                   "order": sides,
+                   "timed": f"steps {_WARMUP.value + 1}..{_STEPS.value} of every run",
                    "ratios": "peer time / project time per round (> 1: project faster)",
                    "note": "same prompts and seeds every round; each side samples its own "
                            "tokens, so response lengths differ (see median_tokens)"},

@@ -118,8 +118,8 @@ def test_resume_after_sigkill_is_bitwise(finished_run, tiny_hf_dirs, tmp_path, f
                                   "qwen2_5_7b_gpu", "r1_distill_qwen_7b_gpu"])
 def test_flagfiles_are_valid(name, tmp_path):
   """Every flag of every shipped flagfile parses and validates; then the run stops at a
-  missing input named in one line: GPU flagfiles' placeholder data file, or a model path
-  given here to CPU ones."""
+  missing input named in one line: GPU flagfiles' placeholder checkpoint path, or a model
+  path given here to CPU ones."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   extra = [] if name.endswith("_gpu") else ["--model=/nonexistent/model"]
   proc = subprocess.run(
@@ -129,5 +129,5 @@ def test_flagfiles_are_valid(name, tmp_path):
       timeout=300)
   assert proc.returncode == 2, proc.stderr[-2000:]
   last = proc.stderr.strip().splitlines()[-1]
-  missing = "--train_file=data/math_train.parquet" if name.endswith("_gpu") else "/nonexistent"
+  missing = "--model=checkpoints/" if name.endswith("_gpu") else "/nonexistent"
   assert last.startswith("error: ") and missing in last and "Traceback" not in proc.stderr, last
