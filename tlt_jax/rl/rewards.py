@@ -168,16 +168,17 @@ def _last_boxed(text: str) -> tuple[int, int, str] | None:
   return best
 
 
+def _last_match(pattern: re.Pattern, text: str, end: int | None = None) -> re.Match | None:
+  matches = list(pattern.finditer(text, 0, len(text) if end is None else end))
+  return matches[-1] if matches else None
+
+
 def _last_answer_tag(text: str) -> tuple[int, str] | None:
   """(end, content) of the last `<answer>...</answer>`."""
-  close = None
-  for close in _ANSWER_CLOSE_RE.finditer(text):
-    pass
+  close = _last_match(_ANSWER_CLOSE_RE, text)
   if close is None:
     return None
-  opening = None
-  for opening in _ANSWER_OPEN_RE.finditer(text, 0, close.start()):
-    pass
+  opening = _last_match(_ANSWER_OPEN_RE, text, close.start())
   if opening is None:
     return None
   return close.end(), text[opening.end():close.start()]
@@ -185,9 +186,7 @@ def _last_answer_tag(text: str) -> tuple[int, str] | None:
 
 def _after_marker(text: str) -> str:
   """The sentence after the last "final answer" / "answer is" / "answer:" marker."""
-  marker = None
-  for marker in _MARKER_RE.finditer(text):
-    pass
+  marker = _last_match(_MARKER_RE, text)
   if marker is None:
     return ""
   rest = _MARKER_LEAD_RE.sub("", text[marker.end():], count=1)
