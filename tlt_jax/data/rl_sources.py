@@ -124,7 +124,7 @@ def _coerce(text: str, annotation: Any) -> Any:
       try:
         return _coerce(text, arg)
       except ValueError:
-        pass
+        continue   # not this member of the union: try the next
     raise ValueError(f"expected {annotation}")
   if origin is typing.Literal:
     for choice in args:

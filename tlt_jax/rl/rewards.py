@@ -592,7 +592,7 @@ class RewardPool:
           leaving.append(worker)
           continue
       except OSError:
-        pass
+        pass   # its pipe is already broken: the worker is gone or going, kill it below
       worker.kill()
     deadline = time.monotonic() + 2.0
     for worker in leaving:
