@@ -51,10 +51,14 @@ demo: venv
 	[print("\nQ:", p, "\nA:", o["text"].strip(), "(" + o["finish_reason"] + ")") for p, o in zip(prompts, outs)]' \
 	  $(DEMO_PROMPTS) $(DEMO_OUT)
 
-# XLA_FLAGS from the caller's shell is dropped: tests that need simulated devices set it.
+# One pytest process per test file, TEST_JOBS at a time (see tests/run_files.py); TEST_FILES
+# narrows the run, PYTEST_ARGS go to every file's pytest. XLA_FLAGS from the caller's shell
+# is dropped: tests that need simulated devices set it.
+TEST_JOBS ?= 2
+TEST_FILES ?=
 test: venv
 	env -u XLA_FLAGS $(if $(JAX_PLATFORMS),JAX_PLATFORMS=$(JAX_PLATFORMS)) \
-	  $(VPY) -m pytest -q $(PYTEST_ARGS)
+	  $(VPY) -m tests.run_files --jobs=$(TEST_JOBS) $(TEST_FILES) -- $(PYTEST_ARGS)
 
 clean:
 	rm -rf out .pytest_cache *.egg-info build

@@ -289,7 +289,7 @@ def build_run(total_steps: int) -> Run:
   context = dataclasses.replace(context, rules=rules)
   # The reference is a copy: the policy's buffers are donated to each update.
   ref_params = jax.tree.map(jnp.copy, params) if algo["loss"].uses_reference else None
-  state = init_policy_state(params, optimizer)
+  state = init_policy_state(params, context)
   rewards = RewardPool(reward_spec, num_workers=_REWARD_WORKERS.value,
                        timeout_s=_REWARD_TIMEOUT.value)
   learner = Learner(config=model.config, tokenizer=tokenizer, state=state,

@@ -38,8 +38,11 @@ _EXPORT_HF = flags.DEFINE_string("export_hf", None, "Where to write the final po
 FAULT_ENV = "TLT_JAX_KILL_AT"
 
 
-def maybe_die(point: str, step: int) -> None:
+def maybe_die(point: str, step: int, settle=None) -> None:
+  """Dies at `point` of `step` if the fault env asks for it, after `settle()` (if given)."""
   if os.environ.get(FAULT_ENV) == f"{point}:{step}":
+    if settle is not None:
+      settle()
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -96,7 +99,9 @@ def main(argv):
           file=sys.stderr)
   for step in range(first, _STEPS.value + 1):
     record = learner.step(step)
-    maybe_die("step", step)
+    # A kill mid-training lands once the last checkpoint's async save has committed, so
+    # the resume tests always exercise a restore (a save still in flight is the "save" point).
+    maybe_die("step", step, settle=checkpoints.wait)
     if eval_due(step):
       start = time.perf_counter()
       record.update(learner.evaluate(val_items, step))

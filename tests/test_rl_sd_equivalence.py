@@ -102,7 +102,7 @@ def _learner(params, drafter, rewards, *, sd, temperature, prompts_per_step, gro
                                                                      schedule="constant"),
                           max_response_len=MAX_NEW)
   return Learner(config=CONFIG, tokenizer=CharTokenizer(),
-                 state=init_policy_state(jax.tree.map(jnp.copy, params), OPTIMIZER),
+                 state=init_policy_state(jax.tree.map(jnp.copy, params), context),
                  ref_params=None,
                  stream=PromptStream(_prompt_pairs(32), prompts_per_step, seed=0),
                  rollout=rollout,

@@ -1,5 +1,6 @@
 """A policy update with params, optimizer state and rows sharded over a 4 x 2 (fsdp x tp)
-trainer mesh of 8 simulated CPU devices equals the single-device update.
+trainer mesh of 8 simulated CPU devices equals the single-device update, and hands its
+state back laid out as it came (so the next update compiles nothing).
 
 The device count is fixed before jax starts, so the check runs in a child process
 (`python -m tests.test_rl_sharded_update`) with XLA_FLAGS set.
@@ -21,7 +22,8 @@ def _sharded_vs_single() -> dict:
   from tlt_jax.models.config import ModelConfig
   from tlt_jax.rl.batching import Sequences
   from tlt_jax.rl.config import LossConfig
-  from tlt_jax.rl.update import UpdateConfig, UpdateContext, init_policy_state, update_policy
+  from tlt_jax.rl.update import (UpdateConfig, UpdateContext, compiled_programs,
+                                 init_policy_state, update_policy)
   from tlt_jax.rollout.sampling import SamplingParams
   from tlt_jax.sharding.mesh import make_mesh
   from tlt_jax.sharding.rules import MeshRules, param_logical_axes, tree_shardings
@@ -49,22 +51,31 @@ def _sharded_vs_single() -> dict:
                                                                train_seq_len=32),
                         optimizer=optimizer, learning_rate=lambda s: 1e-3,
                         max_response_len=16, rules=rules)
-    state, metrics = update_policy(init_policy_state(placed, optimizer), sequences, advantages,
+    state, metrics = update_policy(init_policy_state(placed, ctx), sequences, advantages,
                                    rollout_logp, None, np.ones(6, bool), ctx, seed=0)
-    return state, metrics
+    return state, metrics, ctx
 
-  single, single_metrics = step(None)
-  sharded, sharded_metrics = step(MeshRules(make_mesh(fsdp=4, tp=2)))
+  single, single_metrics, _ = step(None)
+  sharded, sharded_metrics, ctx = step(MeshRules(make_mesh(fsdp=4, tp=2)))
   diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),
                        single.params, sharded.params)
   mu = sharded.opt_state[1][0].mu["layers"]["wq"]
-  return {"devices": len(jax.devices()),
+  result = {"devices": len(jax.devices()),
           "params_max_abs_diff": max(jax.tree.leaves(diffs)),
           "params_moved": float(np.max(np.abs(np.asarray(single.params["layers"]["wq"])
                                               - np.asarray(params["layers"]["wq"])))),
           "wq_spec": str(sharded.params["layers"]["wq"].sharding.spec),
           "mu_wq_spec": str(mu.sharding.spec),
           "loss_diff": abs(single_metrics["actor/loss"] - sharded_metrics["actor/loss"])}
+  # A second update on the same shapes: the state must come back laid out as it went in,
+  # or every program (and the rollout's, which read the params) compiles again.
+  layout = lambda state: [str(x.sharding) for x in jax.tree.leaves(state)]
+  before, programs = layout(sharded), compiled_programs()
+  again, _ = update_policy(sharded, sequences, advantages, rollout_logp, None,
+                           np.ones(6, bool), ctx, seed=1)
+  result["second_update_new_programs"] = compiled_programs() - programs
+  result["layout_changes"] = sum(a != b for a, b in zip(before, layout(again)))
+  return result
 
 
 def test_sharded_update_matches_single_device():
@@ -80,6 +91,8 @@ def test_sharded_update_matches_single_device():
   assert result["params_moved"] > 1e-4, result
   assert result["params_max_abs_diff"] <= 1e-5, result
   assert result["loss_diff"] <= 1e-5, result
+  assert result["layout_changes"] == 0, result
+  assert result["second_update_new_programs"] == 0, result
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from tlt_jax.errors import UserInputError
 from tlt_jax.models.config import ModelConfig
@@ -27,7 +28,7 @@ from tlt_jax.rl.config import LossConfig
 from tlt_jax.rl.logprobs import score_rows
 from tlt_jax.rl.losses import policy_loss, sequence_weights
 from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.sharding.rules import MeshRules
+from tlt_jax.sharding.rules import MeshRules, param_logical_axes, tree_shardings
 
 
 @flax.struct.dataclass
@@ -37,9 +38,30 @@ class PolicyState:
   step: jax.Array            # int32: optimizer steps taken
 
 
-def init_policy_state(params: Params, optimizer: optax.GradientTransformation) -> PolicyState:
-  return PolicyState(params=params, opt_state=jax.jit(optimizer.init)(params),
-                     step=jnp.int32(0))
+def init_policy_state(params: Params, ctx: "UpdateContext") -> PolicyState:
+  """Fresh optimizer state, placed like the params (see `place_state`)."""
+  init = lambda p: place_state(PolicyState(params=p, opt_state=ctx.optimizer.init(p),
+                                           step=jnp.int32(0)),
+                               ctx.optimizer, ctx.config, ctx.rules)
+  return jax.jit(init)(params)
+
+
+def place_state(state: PolicyState, optimizer: optax.GradientTransformation,
+                config: ModelConfig | None, rules: MeshRules | None) -> PolicyState:
+  """Pins (inside a jitted function) the params and every param-shaped optimizer buffer to
+  the params' rule-given shardings, the rest replicated. Without it XLA picks the outputs'
+  layouts itself: the next call then sees new input shardings and compiles again, and the
+  rollout's programs too, once the params come back laid out differently."""
+  if rules is None:
+    return state
+  shardings = tree_shardings(param_logical_axes(config), state.params, rules)
+  replicated = NamedSharding(rules.mesh, PartitionSpec())
+  pin = jax.lax.with_sharding_constraint
+  return PolicyState(
+      params=jax.tree.map(pin, state.params, shardings),
+      opt_state=optax.tree_map_params(optimizer, pin, state.opt_state, shardings,
+                                      transform_non_params=lambda x: pin(x, replicated)),
+      step=pin(state.step, replicated))
 
 
 def _micro_loss(params, rows: TrainRows, config, sampling, loss, rules, remat):
@@ -75,15 +97,18 @@ def zero_grads(params: Params) -> Params:
   return jax.tree.map(jnp.zeros_like, params)
 
 
-@functools.partial(jax.jit, static_argnames=("optimizer",), donate_argnames=("state",))
-def apply_grads(state: PolicyState, grads: Params, *, optimizer: optax.GradientTransformation
+@functools.partial(jax.jit, static_argnames=("optimizer", "config", "rules"),
+                   donate_argnames=("state",))
+def apply_grads(state: PolicyState, grads: Params, *, optimizer: optax.GradientTransformation,
+                config: ModelConfig | None = None, rules: MeshRules | None = None
                 ) -> tuple[PolicyState, jax.Array]:
-  """One optimizer step; returns the new state and the gradient's global norm (before
-  clipping)."""
+  """One optimizer step; returns the new state (laid out as it came) and the gradient's
+  global norm (before clipping)."""
   grad_norm = optax.tree.norm(grads)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  return PolicyState(params=params, opt_state=opt_state, step=state.step + 1), grad_norm
+  new_state = PolicyState(params=params, opt_state=opt_state, step=state.step + 1)
+  return place_state(new_state, optimizer, config, rules), grad_norm
 
 
 def compiled_programs() -> int:
@@ -207,7 +232,8 @@ def update_policy(state: PolicyState, sequences: Sequences, advantages: np.ndarr
     for mini_batch in np.array_split(order, ctx.update.num_mini_batches):
       grads, merged = minibatch_grads(state.params, sequences, mini_batch, advantages,
                                       per_token, in_loss, ctx)
-      state, grad_norm = apply_grads(state, grads, optimizer=ctx.optimizer)
+      state, grad_norm = apply_grads(state, grads, optimizer=ctx.optimizer, config=ctx.config,
+                                     rules=ctx.rules)
       merged["actor/grad_norm"] = float(grad_norm)
       step_sums.append(merged)
   if ctx.update.updates_per_step == 1:
