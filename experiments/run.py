@@ -46,8 +46,15 @@ def maybe_die(point: str, step: int, settle=None) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def default_run_dir() -> str:
-  flagfile = flags.FLAGS["flagfile"].value if "flagfile" in flags.FLAGS else None
+def default_run_dir(argv: list[str]) -> str:
+  """runs/NAME for the last `--flagfile=.../NAME.flags` of the command line (absl expands
+  flagfiles while parsing and keeps no value for the flag), else runs/default."""
+  flagfile = None
+  for i, arg in enumerate(argv):
+    if arg.lstrip("-").startswith("flagfile="):
+      flagfile = arg.split("=", 1)[1]
+    elif arg.lstrip("-") == "flagfile" and i + 1 < len(argv):
+      flagfile = argv[i + 1]
   name = os.path.splitext(os.path.basename(flagfile))[0] if flagfile else "default"
   return os.path.join("runs", name)
 
@@ -58,7 +65,7 @@ def main(argv):
   from tlt_jax.rl.metrics import MetricsLog, Progress, summary_table
   from tlt_jax.rl.plots import write_plots
 
-  run_dir = os.path.abspath(_RUN_DIR.value or default_run_dir())
+  run_dir = os.path.abspath(_RUN_DIR.value or default_run_dir(sys.argv))
   checkpoints_dir = os.path.join(run_dir, "checkpoints")
   check_run_dir(run_dir)
   checkpoints = RunCheckpoints(checkpoints_dir, keep=_KEEP.value)

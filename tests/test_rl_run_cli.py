@@ -131,3 +131,14 @@ def test_flagfiles_are_valid(name, tmp_path):
   last = proc.stderr.strip().splitlines()[-1]
   missing = "--model=checkpoints/" if name.endswith("_gpu") else "/nonexistent"
   assert last.startswith("error: ") and missing in last and "Traceback" not in proc.stderr, last
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["run", "--flagfile=experiments/configs/quickstart.flags"], "runs/quickstart"),
+    (["run", "--flagfile", "a/b/smollm2_cpu.flags", "--steps=2"], "runs/smollm2_cpu"),
+    (["run", "-flagfile=x.flags", "--flagfile=y/late.flags"], "runs/late"),
+    (["run", "--steps=2"], "runs/default"),
+])
+def test_run_dir_defaults_to_the_flagfile_name(argv, expected):
+  from experiments.run import default_run_dir
+  assert default_run_dir(argv) == expected
