@@ -37,6 +37,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks.matmul_rate import matmul_throughput  # noqa: E402
 from benchmarks.report import emit  # noqa: E402
 from absl import flags  # noqa: E402
 from experiments import cli  # noqa: E402
@@ -170,42 +171,6 @@ def write_prompts(bench_dir: str, total_steps: int) -> tuple[str, int, str]:
   with open(path, "rb") as f:
     digest = hashlib.sha1(f.read()).hexdigest()
   return path, longest, digest
-
-
-# ---- CPU reference: matmul throughput ---------------------------------------------------
-
-def matmul_throughput(config, tokens: int) -> dict:
-  """GFLOP/s of jitted fp32 matmuls at one micro-batch's shapes ([tokens, in] x [in, out]
-  for qkv, o, gate+up, down; the LM head on half the tokens, as only response slots need
-  it). `gflops` weighs them as a forward does (each layer shape num_layers times, the head
-  once): total FLOPs / total time."""
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  e, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
-  hq, hk = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-  layers = config.num_layers
-  shapes = {"qkv": ((tokens, e, hq + 2 * hk), layers), "o": ((tokens, hq, e), layers),
-            "gate_up": ((tokens, e, 2 * f), layers), "down": ((tokens, f, e), layers),
-            "lm_head": ((max(tokens // 2, 1), e, v), 1)}
-  matmul = jax.jit(jnp.matmul)
-  out, total_flops, total_s = {}, 0.0, 0.0
-  for name, ((m, k, n), count) in shapes.items():
-    a = jax.random.normal(jax.random.key(0), (m, k), jnp.float32)
-    b = jax.random.normal(jax.random.key(1), (k, n), jnp.float32)
-    for _ in range(2):
-      matmul(a, b).block_until_ready()
-    times = []
-    for _ in range(_MATMUL_REPS.value):
-      start = time.perf_counter()
-      matmul(a, b).block_until_ready()
-      times.append(time.perf_counter() - start)
-    seconds = float(np.median(times))
-    flops = 2.0 * m * k * n
-    out[name] = {"shape": [m, k, n], "gflops": flops / seconds / 1e9}
-    total_flops += count * flops
-    total_s += count * seconds
-  return {"gflops": total_flops / total_s / 1e9, "per_shape": out, "tokens": tokens}
 
 
 # ---- running one side -------------------------------------------------------------------
@@ -389,13 +354,15 @@ def main(argv):
          "seq_len": seq_len, "commands": {}}
 
   log("matmul throughput (start)")
-  matmul_start = matmul_throughput(config, _PROJECT_MICRO_ROWS.value * seq_len)
+  matmul_start = matmul_throughput(config, _PROJECT_MICRO_ROWS.value * seq_len,
+                                   _MATMUL_REPS.value)
   rounds: dict[str, list[list[dict]]] = {side: [] for side in sides}
   for r in range(_REPEATS.value):
     for side in sides:
       rounds[side].append(run_side(side, r, ctx))
   log("matmul throughput (end)")
-  matmul_end = matmul_throughput(config, _PROJECT_MICRO_ROWS.value * seq_len)
+  matmul_end = matmul_throughput(config, _PROJECT_MICRO_ROWS.value * seq_len,
+                                   _MATMUL_REPS.value)
   matmul_gflops = max(matmul_start["gflops"], matmul_end["gflops"])
 
   summaries = {side: side_summary(rounds[side], config.num_params, matmul_gflops)

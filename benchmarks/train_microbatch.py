@@ -5,9 +5,9 @@
 
 A packed micro-batch of ~128-token samples (50 prompt + 40-75 response tokens, as the RL
 step's) goes through the policy's `accumulate_grads` (forward, loss, backward, KL on) and
-`score_rows` (forward only, the reference's pass), alternated with a plain jitted fp32
-matmul at the layers' [rows x seq_len, hidden] x [hidden, mlp] shape (A B C A B C ...;
-the matmul's round is 20 calls).
+`score_rows` (forward only, the reference's pass), alternated with the CPU's jitted fp32
+matmul rate at the micro-batch's layer and head shapes (`benchmarks/matmul_rate.py`, the
+rate benchmarks/rl_step.py holds its train phase against): A B C A B C ...
 FLOPs count the matmuls the pass really does (every slot through the layers, the LM head
 on the scored slots only; attention left out), x3 for forward + backward. Medians after a
 warm-up call each; compile time excluded. One JSON object on stdout.
@@ -24,6 +24,7 @@ sys.path.insert(0, REPO)
 
 from absl import flags  # noqa: E402
 
+from benchmarks.matmul_rate import matmul_throughput  # noqa: E402
 from benchmarks.report import emit  # noqa: E402
 from experiments import cli  # noqa: E402
 
@@ -32,7 +33,7 @@ _SEQ_LEN = flags.DEFINE_integer("seq_len", 256, "Slots per row (a multiple of 12
                                 lower_bound=128)
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed rounds.", lower_bound=1)
 _OUTPUT = flags.DEFINE_string("output_json", None, "Also write the JSON here.")
-MATMUL_CALLS = 20   # per round: one ~20 ms call alone is at the mercy of the scheduler
+MATMUL_REPS = 5   # timed calls per matmul shape and round
 
 
 def main(argv):
@@ -79,31 +80,23 @@ def main(argv):
     jax.block_until_ready(score_rows(params, rows, config=config, sampling=sampling))
 
   slots = _ROWS.value * _SEQ_LEN.value
-  a = jnp.ones((slots, config.hidden_size), jnp.float32)
-  b = jnp.ones((config.hidden_size, config.intermediate_size), jnp.float32)
-  matmul_fn = jax.jit(jnp.matmul)
-
-  def matmul():
-    for _ in range(MATMUL_CALLS):
-      matmul_fn(a, b).block_until_ready()
-
-  sides = {"train": train, "forward": forward, "matmul": matmul}
-  for fn in sides.values():
+  for fn in (train, forward):
     fn()                                   # compile and warm up
-  times = {name: [] for name in sides}
+  times = {"train": [], "forward": []}
+  matmul_rounds = []
   for _ in range(_REPEATS.value):
-    for name, fn in sides.items():
+    for name, fn in (("train", train), ("forward", forward)):
       start = time.perf_counter()
       fn()
       times[name].append(time.perf_counter() - start)
-  times["matmul"] = [t / MATMUL_CALLS for t in times["matmul"]]
+    matmul_rounds.append(matmul_throughput(config, slots, reps=MATMUL_REPS)["gflops"])
   median = {name: statistics.median(t) for name, t in times.items()}
 
   embed = config.vocab_size * config.hidden_size
   layer_params = config.num_params - embed - (0 if config.tie_word_embeddings else embed)
   scored = len(rows.scored_slots)
   forward_flops = 2 * layer_params * slots + 2 * embed * scored
-  matmul_gflops = 2 * slots * config.hidden_size * config.intermediate_size / median["matmul"] / 1e9
+  matmul_gflops = statistics.median(matmul_rounds)
   train_gflops = 3 * forward_flops / median["train"] / 1e9
   forward_gflops = forward_flops / median["forward"] / 1e9
   emit({
@@ -111,7 +104,7 @@ def main(argv):
                    "seq_len": _SEQ_LEN.value, "samples": samples,
                    "real_tokens": int((np.asarray(rows.segment_ids) > 0).sum()),
                    "scored_slots": scored, "kl_coef": 0.04},
-      "median_s": median, "per_round_s": times,
+      "median_s": median, "per_round_s": times, "matmul_gflops_per_round": matmul_rounds,
       "gflops": {"train": train_gflops, "forward": forward_gflops, "matmul": matmul_gflops},
       "frac_of_matmul": {"train": train_gflops / matmul_gflops,
                          "forward": forward_gflops / matmul_gflops},

@@ -8,7 +8,8 @@ speculative-decoding call of tests/test_speculative_smollm2.py that passes in a 
 its own). A process per file keeps each file's state its own; two at a time keep both
 cores busy through the single-threaded compiles. Each file's pytest line is printed as it
 finishes, the failures' output after the last one, and then the closing line
-`tests: N passed, N failed, N skipped`; the exit code is 0 only if every file passed and at least one test ran.
+`tests: N passed, N failed, N skipped`; the exit code is 0 only if every file passed and
+at least one test ran.
 """
 from __future__ import annotations
 
