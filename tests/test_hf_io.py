@@ -159,6 +159,23 @@ def test_unknown_model_type(tiny_hf_dirs, tmp_path):
     hf.load_hf_dir(str(hf_dir))
 
 
+@pytest.mark.parametrize("fields,rejected", [
+    ({"sliding_window": 64}, "sliding_window=64"),                # Mistral style
+    ({"use_sliding_window": True, "sliding_window": 64}, "use_sliding_window"),
+    ({"use_sliding_window": False, "sliding_window": 64}, None),  # Qwen's off switch
+    ({"sliding_window": None}, None),
+])
+def test_sliding_window_is_rejected_unless_off(tiny_hf_dirs, tmp_path, fields, rejected):
+  hf_dir = _copy(tiny_hf_dirs["llama"], tmp_path)
+  config = json.loads((hf_dir / "config.json").read_text())
+  (hf_dir / "config.json").write_text(json.dumps({**config, **fields}))
+  if rejected is None:
+    hf.load_hf_dir(str(hf_dir))
+    return
+  with pytest.raises(UserInputError, match=rf"config\.json: {rejected}.*not supported"):
+    hf.load_hf_dir(str(hf_dir))
+
+
 def test_wrong_shape(tiny_hf_dirs, tmp_path):
   hf_dir = _copy(tiny_hf_dirs["qwen2"], tmp_path)
   name = "model.layers.1.self_attn.k_proj.bias"

@@ -110,6 +110,20 @@ def test_reduced_draft_vocabulary_stays_exact():
   assert [o.token_ids for o in plain.outputs] == [o.token_ids for o in sd.outputs]
 
 
+def test_top_k_at_or_above_a_vocabulary_truncates_nothing():
+  """top_k beyond the model's vocabulary (97) samples like top_k=0; beyond the drafter's
+  reduced vocabulary (49) it leaves the draft untruncated while the target keeps top 60."""
+  config, params, drafter = _model(97, seed=4)
+  prompts = _prompts(97, (6, 11, 4), seed=2)
+  run = lambda top_k, spec=None: [o.token_ids for o in generate(
+      params, config, prompts, max_new_tokens=12, seed=3, spec=spec,
+      sampling=SamplingParams(temperature=1.0, top_k=top_k)).outputs]
+  assert run(500) == run(0)
+  spec = SpecConfig(drafter=drafter, strategy=SpecStrategy(3, 2, 6), threshold=4, patience=0,
+                    vocab_ids=jnp.arange(0, 97, 2, dtype=jnp.int32))
+  assert all(len(tokens) == 12 for tokens in run(60, spec))
+
+
 def test_programs_are_reused_after_warm_up():
   config, params, drafter = _model(8, seed=5)
   spec = SpecConfig(drafter=drafter, strategy=SpecStrategy(3, 2, 5), threshold=8, patience=1)

@@ -77,8 +77,7 @@ class ModelConfig:
       raise UserInputError(
           f"{source}: unknown architecture model_type={model_type!r} "
           f"(supported: {', '.join(sorted(_FAMILIES))})")
-    if d.get("use_sliding_window"):
-      raise UserInputError(f"{source}: use_sliding_window=true is not supported")
+    _reject_sliding_window(d, source)
     for act_key in ("hidden_act", "hidden_activation"):
       if d.get(act_key, "silu") != "silu":
         raise UserInputError(f"{source}: {act_key}={d[act_key]!r} is not supported (silu only)")
@@ -161,6 +160,19 @@ class ModelConfig:
     if self.family == "llama":
       d["attention_bias"] = self.qkv_bias
     return d
+
+
+def _reject_sliding_window(d: Mapping[str, Any], source: str) -> None:
+  """Attention here is always full. Qwen configs carry a `sliding_window` size that their
+  `use_sliding_window: false` turns off; Mistral-style configs have only the size, which
+  limits attention unless it spans every position."""
+  if d.get("use_sliding_window"):
+    raise UserInputError(f"{source}: use_sliding_window=true is not supported")
+  window = d.get("sliding_window")
+  if ("use_sliding_window" not in d and window is not None
+      and window < d.get("max_position_embeddings", 4096)):
+    raise UserInputError(f"{source}: sliding_window={window} is not supported (full "
+                         "attention only)")
 
 
 def _rope_from_hf(d: Mapping[str, Any], source: str) -> RopeConfig:

@@ -17,7 +17,7 @@ from tlt_jax.errors import UserInputError
 class SamplingParams:
   temperature: float = 1.0   # 0 means greedy
   top_p: float = 1.0         # nucleus mass kept; 1 disables
-  top_k: int = 0             # 0 disables
+  top_k: int = 0             # 0 (or >= the vocabulary) disables
 
   def __post_init__(self):
     if not self.temperature >= 0:
@@ -65,7 +65,7 @@ def processed_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
     top = argmax(logits)
     return jnp.where(jax.nn.one_hot(top, logits.shape[-1], dtype=bool), 0.0, -jnp.inf)
   logits = logits / params.temperature
-  if params.top_k:
+  if 0 < params.top_k < logits.shape[-1]:   # k >= vocabulary: nothing to truncate
     kth = jax.lax.top_k(logits, params.top_k)[0][..., -1:]
     logits = jnp.where(logits < kth, -jnp.inf, logits)
   if params.top_p < 1.0:
