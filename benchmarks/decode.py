@@ -31,6 +31,8 @@ import numpy as np
 import torch
 import transformers
 
+from experiments import cli
+from tlt_jax.errors import UserInputError
 from tlt_jax.models.bundled import smollm2_gguf_path
 from tlt_jax.models.loading import load_model
 from tlt_jax.rollout.buckets import BucketSpec
@@ -230,6 +232,11 @@ def main() -> None:
   parser.add_argument("--repeats", type=int, default=3, help="alternating tlt/hf pairs")
   parser.add_argument("--output", help="also write the JSON here")
   args = parser.parse_args()
+  if args.output:
+    try:
+      cli.check_output_file(args.output, "--output")
+    except UserInputError as e:
+      parser.error(str(e))
   load_before = os.getloadavg()
 
   probe = BandwidthProbe()

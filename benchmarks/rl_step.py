@@ -325,6 +325,8 @@ def paired(project_rounds: dict, peer_rounds: dict) -> dict:
 
 def main(argv):
   del argv
+  if _OUTPUT.value:
+    cli.check_output_file(_OUTPUT.value, "--output_json")
   sides = list(dict.fromkeys(_SIDES.value))
   unknown = [s for s in sides if s not in SIDES]
   if unknown or not sides:

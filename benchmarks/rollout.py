@@ -135,6 +135,8 @@ def _questions() -> dict:
 
 def main(argv):
   del argv
+  if _OUTPUT.value:
+    cli.check_output_file(_OUTPUT.value, "--output")
   import jax
   import jax.numpy as jnp
 

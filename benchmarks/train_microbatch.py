@@ -38,6 +38,8 @@ MATMUL_REPS = 5   # timed calls per matmul shape and round
 
 def main(argv):
   del argv
+  if _OUTPUT.value:
+    cli.check_output_file(_OUTPUT.value, "--output_json")
   import jax
   import jax.numpy as jnp
   import numpy as np

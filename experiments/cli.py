@@ -62,6 +62,31 @@ def run(main: Callable[[list[str]], Any]) -> None:
   app.run(guarded, flags_parser=_parse_flags)
 
 
+def check_output_file(path: str, flag: str) -> None:
+  """Fails now, in one line, if `path` could not be written at the end of the job: its
+  directory is missing or read-only, or the path is a directory."""
+  directory = os.path.dirname(os.path.abspath(path))
+  if not os.path.isdir(directory):
+    raise UserInputError(f"{flag}={path}: directory {directory} does not exist")
+  if os.path.isdir(path):
+    raise UserInputError(f"{flag}={path}: is a directory")
+  if not os.access(directory, os.W_OK | os.X_OK):
+    raise UserInputError(f"{flag}={path}: directory {directory} is not writable")
+
+
+def check_output_dir(path: str, flag: str) -> None:
+  """Like `check_output_file` for a directory the job creates (or fills) at its end."""
+  if os.path.lexists(path) and not os.path.isdir(path):
+    raise UserInputError(f"{flag}={path}: exists and is not a directory")
+  existing = os.path.abspath(path)
+  while not os.path.lexists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise UserInputError(f"{flag}={path}: {existing} is not a directory")
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise UserInputError(f"{flag}={path}: {existing} is not writable")
+
+
 def write_json_atomic(path: str, payload: Any) -> None:
   """Writes JSON next to `path` and renames it into place: never a half-written file."""
   directory = os.path.dirname(os.path.abspath(path))

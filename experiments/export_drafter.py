@@ -51,8 +51,7 @@ def main(argv: list[str]) -> None:
 
   if os.path.abspath(_OUT.value) == os.path.abspath(_DRAFTER.value):
     raise UserInputError(f"--out={_OUT.value}: is --drafter itself; export to another dir")
-  if os.path.lexists(_OUT.value) and not os.path.isdir(_OUT.value):
-    raise UserInputError(f"--out={_OUT.value}: exists and is not a directory")
+  cli.check_output_dir(_OUT.value, "--out")
   if (_VOCAB_SIZE.value is None) != (not _VOCAB_CORPORA.value):
     raise UserInputError("--draft_vocab_size and --vocab_corpora: give both or neither")
   corpora = [read_corpus(path, _MODEL.value, "--vocab_corpora") for path in _VOCAB_CORPORA.value]

@@ -156,6 +156,9 @@ def main(argv):
   strategy_choice = strategy_flags()
   SpecConfig.validate_schedule(_SD_THRESHOLD.value, _SD_PATIENCE.value)
   prompts = read_prompts(_PROMPTS.value)
+  cli.check_output_file(_OUTPUT.value, "--output_json")
+  if _BANDIT_STATE.value:
+    cli.check_output_file(_BANDIT_STATE.value, "--bandit_state")
   start = time.perf_counter()
   print(f"loading {_MODEL.value} ...", file=sys.stderr)
   model = load_model(_MODEL.value, dtype=jnp.dtype(_DTYPE.value))

@@ -68,6 +68,8 @@ def main(argv):
   run_dir = os.path.abspath(_RUN_DIR.value or default_run_dir(sys.argv))
   checkpoints_dir = os.path.join(run_dir, "checkpoints")
   check_run_dir(run_dir)
+  if _EXPORT_HF.value:
+    cli.check_output_dir(_EXPORT_HF.value, "--export_hf")
   checkpoints = RunCheckpoints(checkpoints_dir, keep=_KEEP.value)
   resume_step = checkpoints.latest_step() if _RESUME.value == "auto" else None
   if _RESUME.value == "never" and checkpoints.latest_step() is not None:

@@ -238,8 +238,7 @@ def main(argv):
   from tlt_jax.models.loading import load_model
 
   out_dir = _OUT.value
-  if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
-    raise UserInputError(f"--out={out_dir}: exists and is not a directory")
+  cli.check_output_dir(out_dir, "--out")
   has_checkpoint = os.path.isdir(os.path.join(out_dir, trainer.CHECKPOINT))
   if _RESUME.value and not has_checkpoint:
     raise UserInputError(f"--resume: {out_dir} has no drafter checkpoint")

@@ -98,7 +98,11 @@ BAD_INPUTS = {
     "unknown_arch": (["hi"], "unknown_arch", [], ["config.json", "gpt2"]),
     "top_p": (["hi"], None, ["--top_p=1.5"], ["--top_p", "1.5"]),
     "temperature": (["hi"], None, ["--temperature=-1"], ["--temperature"]),
+    "output_dir_missing": (["hi"], None, ["--output_json=/nonexistent_dir/out.json"],
+                           ["--output_json", "/nonexistent_dir does not exist"]),
 }
+# Output paths are checked before the model loads, not after the whole generation.
+CHECKED_BEFORE_LOADING = ("output_dir_missing",)
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
@@ -117,6 +121,8 @@ def test_bad_inputs_fail_with_one_line(tiny_hf_dirs, tmp_path, case):
   assert len(errors) == 1 and errors[0] == lines[-1], err
   for name in names:
     assert name.format(model=model) in errors[0], (name, errors[0])
+  if case in CHECKED_BEFORE_LOADING:
+    assert "loading" not in err, err
 
 
 def test_smollm2_chat_answers_paris(tmp_path):

@@ -101,6 +101,8 @@ _CHEAP_CASES = {
                        ["{malformed}", "line 2", "malformed JSON"], False),
     "all_rows_skipped": (["--on_bad_row=skip"], ["--train_file={all_bad}"],
                          ["{all_bad}", "no usable rows", "1 bad rows skipped"], False),
+    "export_hf_under_a_file": (["--export_hf={bad_rows}/export"], None,
+                               ["--export_hf={bad_rows}/export", "is not a directory"], False),
     "all_filtered_out": (["--max_prompt_len=4"], None,
                          ["--max_prompt_len=4", "none of the 8 prompts fits"], True),
 }
@@ -111,6 +113,7 @@ def test_bad_input_is_one_line(case, tiny_hf_dirs, data_files, tmp_path):
   extra, data, needles, loads_model = _CHEAP_CASES[case]
   data = [d.format(**data_files) for d in data] if data else [f"--tasks={TASKS}",
                                                               "--num_train=8"]
+  extra = [e.format(**data_files) for e in extra]
   proc = run_cli(tmp_path / "run", tiny_hf_dirs["qwen2"], *extra, data=data)
   error_line(proc, *(n.format(**data_files) for n in needles))
   assert ("loading " in proc.stderr) == loads_model, proc.stderr[-2000:]
