@@ -28,10 +28,15 @@ case "${1:-}" in
     export PYTHONPATH="/tmp/site:$PWD"
     (nvidia-smi -L || true; python3 -c 'import jax; print("jax", jax.__version__, jax.devices())') \
       | tee "$OUT/gpu_tests.log"
-    # The kernels against their references (compiled, not interpreted), then their timing.
+    # The kernels against their references (compiled, not interpreted) and the drafter's
+    # training step through each kernel, then their timing. A failure still lets the
+    # benchmarks run (their figures come back), and fails the check at the end.
+    failed=()
     python3 -m pytest -q -rs tests/test_tree_attention.py \
-      -p no:cacheprovider 2>&1 | tee -a "$OUT/gpu_tests.log" || true
-    python3 benchmarks/tree_attention.py --output "$OUT/tree_attention_gpu.json" || true
+      "tests/test_drafter_training.py::test_train_step_with_every_attention_impl" \
+      -p no:cacheprovider 2>&1 | tee -a "$OUT/gpu_tests.log" || failed+=("kernel tests")
+    python3 benchmarks/tree_attention.py --output "$OUT/tree_attention_gpu.json" \
+      || failed+=("benchmarks/tree_attention.py")
     # Sized for one 10-minute call: SD pays up to larger batches on a GPU, so the tail
     # threshold is 16 (the CPU runs use 2).
     python3 benchmarks/rollout.py --model=/tmp/smollm2.gguf --drafter="$bundle/drafter" \
@@ -39,7 +44,12 @@ case "${1:-}" in
       --strategies=4_1_5,8_4_16 --repeats=2 --max_new_tokens=128 --batch1_prompts=4 \
       --tail_rows=64 --tail_cap=512 --tail_strategy=4_1_5 --tail_threshold=16 \
       --tail_repeats=2 --accept_prompts=12 --accept_strategies=8_4_16,8_8_32 \
-      --output="$OUT/rollout_gpu.json" "$@" 2>&1 | tee "$OUT/rollout_gpu.log"
+      --output="$OUT/rollout_gpu.json" "$@" 2>&1 | tee "$OUT/rollout_gpu.log" \
+      || failed+=("benchmarks/rollout.py")
+    if ((${#failed[@]})); then
+      echo "gpu_check: FAILED: ${failed[*]} (see $OUT/gpu_tests.log)" >&2
+      exit 1
+    fi
     ;;
   *)
     echo "usage: bash benchmarks/gpu_check.sh stage|run [rollout.py flags]" >&2

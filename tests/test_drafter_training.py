@@ -165,6 +165,27 @@ def test_training_overfits_small_corpus(target_params):
   assert float(final["loss"]) <= losses[-1] * 1.05
 
 
+@pytest.mark.parametrize("impl", ["auto", "reference", "pallas", "triton"])
+def test_train_step_with_every_attention_impl(impl, target_params):
+  """A kernel in the drafter's loss differentiates (through the jnp reference's VJP) and
+  gives the reference's update; Pallas runs interpreted on CPU."""
+  if impl == "triton" and jax.default_backend() != "gpu":
+    pytest.skip("the Triton kernel needs a GPU")
+  rows = packing.pack_samples(_samples(6, 3), seq_len=32)
+  optimizer = optim.make_optimizer(1e-3, total_steps=4)
+  params = drafter.init_drafter_params(CONFIG, jax.random.key(6))
+  step = lambda attention_impl: trainer.train_step(
+      trainer.init_train_state(jax.tree.map(jnp.copy, params), optimizer),   # donated
+      target_params, rows, config=CONFIG,
+      optimizer=optimizer, unroll=2, attention_impl=attention_impl)
+  reference, reference_metrics = step("reference")
+  state, metrics = step(impl)
+  np.testing.assert_allclose(metrics["loss"], reference_metrics["loss"], rtol=1e-5)
+  np.testing.assert_allclose(metrics["grad_norm"], reference_metrics["grad_norm"], rtol=1e-4)
+  for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(reference.params)):
+    np.testing.assert_allclose(got, want, atol=1e-6)
+
+
 def test_select_draft_vocab():
   ids = trainer.select_draft_vocab([[5, 5, 9, 9, 9], [7, 5]], 4, vocab_size=12)
   np.testing.assert_array_equal(ids, [0, 5, 7, 9])  # 0 fills the unseen slot, lowest id

@@ -108,8 +108,8 @@ def drafter_pairs(batch: PackedRows, hidden: jax.Array) -> tuple[jax.Array, jax.
 
 def unrolled_forward(params: DrafterParams, target_params: transformer.Params,
                      config: ModelConfig, tokens: jax.Array, hidden: jax.Array,
-                     positions: jax.Array, context: jax.Array, unroll: int
-                     ) -> list[jax.Array]:
+                     positions: jax.Array, context: jax.Array, unroll: int,
+                     attention_impl: str = "auto") -> list[jax.Array]:
   """Drafter predictions of `unroll` passes over drafter pairs (tokens [B, T] = x_{j+1},
   hidden [B, T, E] = h_j, context [B, T, T] the teacher-forced visibility).
 
@@ -132,21 +132,24 @@ def unrolled_forward(params: DrafterParams, target_params: transformer.Params,
     inputs, cache = drafter_forward(
         params, target_params, config, _shift(tokens, m - 1), inputs,
         _shift(positions, m - 1), cache.replace(lengths=jnp.full((b,), (m - 1) * t, jnp.int32)),
-        new_mask, cache_mask)
+        new_mask, cache_mask, attention_impl)
     preds.append(inputs)
   return preds
 
 
 def _loss(params: DrafterParams, target_params: transformer.Params, batch: PackedRows,
           hidden: jax.Array, vocab_ids: jax.Array | None, config: ModelConfig,
-          ce_weight: float, unroll: int) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """The EAGLE loss averaged over the unrolled passes; pass m's slots are those whose chain
-  stays inside one sample's response."""
+          ce_weight: float, unroll: int, attention_impl: str
+          ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """The EAGLE loss averaged over the unrolled passes. Pass m weighs slot j when slots j and
+  j + m - 1 hold the same sample (samples are contiguous, so the whole chain does) and
+  the slot it predicts is in the loss mask (a response token); the chain may start in
+  the prompt."""
   hidden = jax.lax.stop_gradient(hidden)
   tokens, targets = drafter_pairs(batch, hidden)
   head = draft_head(target_params, config, vocab_ids)
   preds = unrolled_forward(params, target_params, config, tokens, hidden, batch.positions,
-                           batch.new_mask, unroll)
+                           batch.new_mask, unroll, attention_impl)
   total, metrics = 0.0, {}
   for k, pred in enumerate(preds):
     weights = _shift(batch.loss_mask, k) * (_shift(batch.segment_ids, k) == batch.segment_ids)
@@ -161,35 +164,38 @@ def _loss(params: DrafterParams, target_params: transformer.Params, batch: Packe
   return total, metrics
 
 
-@functools.partial(jax.jit, static_argnames=("config", "optimizer", "ce_weight", "unroll"),
+@functools.partial(jax.jit, static_argnames=("config", "optimizer", "ce_weight", "unroll",
+                                             "attention_impl"),
                    donate_argnames=("state",))
 def train_step(state: TrainState, target_params: transformer.Params, batch: PackedRows,
                vocab_ids: jax.Array | None = None, hidden: jax.Array | None = None, *,
                config: ModelConfig, optimizer: optax.GradientTransformation,
-               ce_weight: float = CE_WEIGHT, unroll: int = 1
+               ce_weight: float = CE_WEIGHT, unroll: int = 1, attention_impl: str = "auto"
                ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimizer step on packed rows [B, T]; `hidden` None runs the target forward.
-  unroll: passes of the loss (1: teacher-forced only; see `_loss`)."""
+  unroll: passes of the loss (1: teacher-forced only; see `_loss`). attention_impl: the
+  drafter layer's attention; kernels differentiate through the jnp reference."""
   if hidden is None:
     hidden = target_hidden(target_params, batch, config=config)
   grad_fn = jax.value_and_grad(_loss, has_aux=True)
   (_, metrics), grads = grad_fn(state.params, target_params, batch, hidden, vocab_ids, config,
-                                ce_weight, unroll)
+                                ce_weight, unroll, attention_impl)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics["grad_norm"] = optax.tree.norm(grads)
   return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
 
 
-@functools.partial(jax.jit, static_argnames=("config", "ce_weight", "unroll"))
+@functools.partial(jax.jit, static_argnames=("config", "ce_weight", "unroll", "attention_impl"))
 def eval_step(params: DrafterParams, target_params: transformer.Params, batch: PackedRows,
               vocab_ids: jax.Array | None = None, hidden: jax.Array | None = None, *,
               config: ModelConfig, ce_weight: float = CE_WEIGHT,
-              unroll: int = 1) -> dict[str, jax.Array]:
+              unroll: int = 1, attention_impl: str = "auto") -> dict[str, jax.Array]:
   """The train step's metrics without an update, e.g. on held-out rows."""
   if hidden is None:
     hidden = target_hidden(target_params, batch, config=config)
-  return _loss(params, target_params, batch, hidden, vocab_ids, config, ce_weight, unroll)[1]
+  return _loss(params, target_params, batch, hidden, vocab_ids, config, ce_weight, unroll,
+               attention_impl)[1]
 
 
 def select_draft_vocab(token_id_lists: Iterable[Sequence[int]], size: int, *,

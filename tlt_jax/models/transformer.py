@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tlt_jax.data.packing import block_causal_mask
+from tlt_jax.models.attention import attend
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.dense import dense
 from tlt_jax.models.kv_cache import KVCache, init_cache
@@ -80,40 +81,13 @@ def prefix_mask(cache_lengths: jax.Array, num_new: int, max_len: int) -> jax.Arr
 
 
 def _attend(q, layer_keys, layer_values, cache_mask, k, v, new_mask, attention_impl):
-  """Attention over the cache (read in place) plus the new tokens.
-
-  The jnp path takes one softmax over [cache scores, new scores] so the cache is never
-  copied; kernels get the keys concatenated (their interface is one key set)."""
+  """Attention over the cache (read in place by the jnp path) plus the new tokens; kernels
+  get the keys concatenated (their interface is one key set)."""
   if resolve_impl(attention_impl) != "reference":
     return tree_attention(q, jnp.concatenate([layer_keys.swapaxes(1, 2), k], axis=1),
                           jnp.concatenate([layer_values.swapaxes(1, 2), v], axis=1),
                           jnp.concatenate([cache_mask, new_mask], axis=-1), impl=attention_impl)
-  b, t, h, d = q.shape
-  kh = k.shape[2]
-  qg = q.reshape(b, t, kh, h // kh, d)
-  if t == 1:
-    # Decode: a multiply-and-reduce fuses into one pass over the cache, where a dot would
-    # lower to tiny per-(row, head) matrix products plus a copy of the cache slice.
-    cache_scores = jnp.sum(qg[:, 0, :, :, None, :].astype(jnp.float32)
-                           * layer_keys[:, :, None].astype(jnp.float32), axis=-1)[:, :, :, None]
-  else:
-    cache_scores = jnp.einsum("btkgd,bksd->bkgts", qg, layer_keys.astype(q.dtype),
-                              preferred_element_type=jnp.float32)
-  scores = jnp.concatenate([
-      cache_scores,
-      jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32),
-  ], axis=-1) * (d ** -0.5)
-  mask = jnp.concatenate([cache_mask, new_mask], axis=-1)
-  scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-  s = layer_keys.shape[2]
-  if t == 1:
-    from_cache = jnp.sum(probs[:, :, :, 0, :s, None] * layer_values[:, :, None].astype(q.dtype),
-                         axis=-2)[:, None]                                 # [B, 1, K, G, D]
-  else:
-    from_cache = jnp.einsum("bkgts,bksd->btkgd", probs[..., :s], layer_values.astype(q.dtype))
-  attn = from_cache + jnp.einsum("bkgts,bskd->btkgd", probs[..., s:], v.astype(q.dtype))
-  return attn.reshape(b, t, h, d)
+  return attend(q, layer_keys, layer_values, cache_mask, k, v, new_mask)
 
 
 def _layer(config: ModelConfig, inv_freq: np.ndarray, rules: MeshRules | None,

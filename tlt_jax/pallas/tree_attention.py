@@ -1,7 +1,7 @@
 """Tree-verify attention: T new tokens (a draft tree) against each row's KV cache.
 
-Same inputs and output as the jnp attention in `transformer._layer`, so swapping it in is
-one line: q [B, T, H, D], keys/values [B, S, K, D] (GQA, H = K * G), mask [B, T, S] bool
+The kernels compute `tlt_jax.models.attention.attend` over one key set (cache and new
+keys together), and differentiate through it: q [B, T, H, D], keys/values [B, S, K, D] (GQA, H = K * G), mask [B, T, S] bool
 (the row's committed prefix plus the query's tree ancestors) -> [B, T, H, D] in q.dtype.
 
 The Pallas kernel runs one program per (batch row, kv head, block of query rows). Its query rows
@@ -15,27 +15,21 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from tlt_jax.models.attention import MASKED, attend
+
 IMPLS = ("auto", "reference", "pallas", "triton")
-MASKED = float(np.finfo(np.float32).min)
 MIN_TRITON_DIM = 16  # tl.dot needs every matmul dimension >= 16
 
 
 def tree_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array,
                              mask: jax.Array) -> jax.Array:
-  """The transformer's jnp attention, verbatim: the oracle the kernels must match."""
-  b, t, h, d = q.shape
-  kh = k.shape[2]
-  qg = q.reshape(b, t, kh, h // kh, d)
-  scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(q.dtype),
-                      preferred_element_type=jnp.float32) * (d ** -0.5)
-  scores = jnp.where(mask[:, None, None], scores, MASKED)
-  probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-  attn = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(q.dtype))
-  return attn.reshape(b, t, h, d)
+  """The models' own attention (`attend`) over this one key set: the kernels' oracle."""
+  b, _, kh, d = k.shape
+  no_cache = jnp.zeros((b, kh, 0, d), k.dtype)
+  return attend(q, no_cache, no_cache, mask[..., :0], k, v, mask)
 
 
 def pow2_at_least(n: int) -> int:
@@ -177,9 +171,30 @@ def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
   chosen = resolve_impl(impl)
   if chosen == "reference":
     return tree_attention_reference(q, k, v, mask)
-  if chosen == "triton":
-    from tlt_jax.pallas.tree_attention_triton import tree_attention_triton
-    return tree_attention_triton(q, k, v, mask)
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
+  return _kernel_with_reference_vjp(q, k, v, mask, chosen, interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _kernel_with_reference_vjp(q, k, v, mask, impl: str, interpret: bool) -> jax.Array:
+  """A kernel forward; its backward is the reference's (`pallas_call` has no transpose
+  rule, so a loss through the kernel, such as the drafter's, could not be differentiated)."""
+  if impl == "triton":
+    from tlt_jax.pallas.tree_attention_triton import tree_attention_triton
+    return tree_attention_triton(q, k, v, mask)
   return tree_attention_pallas(q, k, v, mask, interpret=interpret)
+
+
+def _kernel_fwd(q, k, v, mask, impl, interpret):
+  return _kernel_with_reference_vjp(q, k, v, mask, impl, interpret), (q, k, v, mask)
+
+
+def _reference_bwd(impl, interpret, residuals, grad):
+  del impl, interpret
+  q, k, v, mask = residuals
+  _, pullback = jax.vjp(lambda q, k, v: tree_attention_reference(q, k, v, mask), q, k, v)
+  return (*pullback(grad), None)
+
+
+_kernel_with_reference_vjp.defvjp(_kernel_fwd, _reference_bwd)

@@ -1,8 +1,8 @@
 """Tree-verify attention as a hand-written Triton kernel called through jax-triton (GPU).
 
-Same contract as `tree_attention_reference`. Unlike the Pallas kernel it reads the KV cache
-in place with masked loads, so S and D are never padded (no cache copy); only the small
-query and mask are regrouped, exactly as for Pallas. triton and jax-triton are imported on
+Same contract as `tree_attention_reference`. Unlike the Pallas kernel it reads its keys and
+values in place with masked loads, so S and D are never padded (no copy for padding); only
+the small query and mask are regrouped, exactly as for Pallas. triton and jax-triton are imported on
 first use so the package imports without the `triton` extra.
 """
 from __future__ import annotations
@@ -13,7 +13,8 @@ import inspect
 import jax
 import jax.numpy as jnp
 
-from tlt_jax.pallas.tree_attention import (MASKED, group_mask_rows, group_query_rows,
+from tlt_jax.models.attention import MASKED
+from tlt_jax.pallas.tree_attention import (group_mask_rows, group_query_rows,
                                            pow2_at_least, query_row_blocks,
                                            ungroup_query_rows)
 
