@@ -4,6 +4,11 @@ Speculative decoding commits a different number of tokens per row each step, so 
 keeps one committed length per row instead of one shared position. `forward` writes the
 K/V of new tokens at `lengths[b] + i` without advancing; the caller commits with
 `advance`, which is how a rejected draft suffix is discarded for free.
+
+Each of k and v is either one buffer for every layer [L, B, K, S, D] or a tuple of one
+buffer per layer, each [1, B, K, S, D] (see `transformer.unstack_layers`): a decode step
+that reads a layer's slice of a stacked buffer gets a copy of it on XLA's CPU backend,
+while a layer's own buffer is read in place. Every method serves both forms.
 """
 from __future__ import annotations
 
@@ -19,19 +24,51 @@ from tlt_jax.models.config import ModelConfig
 CACHE_AXES = ("layers", "batch", "act_kv_heads", "length", "head_dim")
 
 
+Buffers = jax.Array | tuple[jax.Array, ...]
+
+
+def map_buffers(fn, buffers: Buffers, *stacked: jax.Array) -> Buffers:
+  """fn(buffer [l, ...], *arrays [l, ...]) over one stacked buffer, or over each layer's
+  buffer with its layer of each of `stacked` ([L, ...] arrays)."""
+  if isinstance(buffers, tuple):
+    return tuple(fn(buf, *(a[i:i + 1] for a in stacked)) for i, buf in enumerate(buffers))
+  return fn(buffers, *stacked)
+
+
+def layer_buffer(buffers: Buffers, layer: int) -> jax.Array:
+  """Layer `layer`'s [B, K, S, D]."""
+  return buffers[layer][0] if isinstance(buffers, tuple) else buffers[layer]
+
+
 @flax.struct.dataclass
 class KVCache:
-  k: jax.Array        # [layers, batch, kv_heads, max_len, head_dim]
-  v: jax.Array
+  k: Buffers          # [layers, batch, kv_heads, max_len, head_dim], or per layer [1, ...]
+  v: Buffers
   lengths: jax.Array  # [batch] int32: committed tokens per row
 
   @property
+  def per_layer(self) -> bool:
+    return isinstance(self.k, tuple)
+
+  @property
   def max_len(self) -> int:
-    return self.k.shape[3]
+    return jax.tree.leaves(self.k)[0].shape[3]
 
   @property
   def batch_size(self) -> int:
-    return self.k.shape[1]
+    return jax.tree.leaves(self.k)[0].shape[1]
+
+  @property
+  def dtype(self):
+    return jax.tree.leaves(self.k)[0].dtype
+
+  def map(self, fn, new_k: jax.Array | None = None, new_v: jax.Array | None = None
+          ) -> "KVCache":
+    """fn(buffer [l, B, K, S, D], *new [l, ...]) on every K and V buffer, with the matching
+    layers of new_k/new_v [L, ...] when given; lengths are unchanged."""
+    extra = lambda new: () if new is None else (new,)
+    return self.replace(k=map_buffers(fn, self.k, *extra(new_k)),
+                        v=map_buffers(fn, self.v, *extra(new_v)))
 
   def advance(self, num_tokens: jax.Array) -> "KVCache":
     return self.replace(lengths=self.lengths + num_tokens.astype(jnp.int32))
@@ -41,32 +78,46 @@ class KVCache:
     lengths are unchanged."""
     rows = jnp.arange(slots.shape[0])[:, None]
     # Index arrays split by a slice put their dims first: updates are [B, T, L, K, D].
-    put = lambda buf, new: buf.at[:, rows, :, slots].set(new.transpose(1, 2, 0, 3, 4),
-                                                          mode="drop")
-    return self.replace(k=put(self.k, new_k), v=put(self.v, new_v))
+    return self.map(lambda buf, new: buf.at[:, rows, :, slots].set(
+        new.transpose(1, 2, 0, 3, 4), mode="drop"), new_k, new_v)
 
-  def write_after_committed(self, new_k: jax.Array, new_v: jax.Array) -> "KVCache":
-    """Writes new K/V [L, B, T, K, D] at each row's `lengths + arange(T)`."""
+  def write_after_committed(self, new_k: jax.Array, new_v: jax.Array,
+                            after: jax.Array | None = None) -> "KVCache":
+    """Writes new K/V [L, B, T, K, D] at each row's `lengths + arange(T)`.
+
+    after: an output of the step that read this cache ([B, ...]); the write is ordered
+    after it. XLA orders a cache read and a later in-place write of the same per-layer
+    buffer by data dependence alone (an optimization barrier does not do it), and
+    otherwise copies the buffer, whole, twice per step: at batch 8 on SmolLM2 a quarter of
+    a decode step."""
     slots = self.lengths[:, None] + jnp.arange(new_k.shape[2])[None, :]
+    if after is not None:
+      # Adds zero, computed from `after` (XLA cannot fold it away).
+      flag = jnp.isnan(after.reshape(after.shape[0], -1)[:, :1]).astype(slots.dtype)
+      slots = slots + jnp.minimum(flag, 0)
     return self.write(slots, new_k, new_v)
 
   def window(self, length: int) -> "KVCache":
     """The first `length` slots of every row: attention over a short context then costs
     what the context needs, not what the longest possible row needs."""
-    return self.replace(k=self.k[:, :, :, :length], v=self.v[:, :, :, :length])
+    return self.map(lambda buf: buf[:, :, :, :length])
 
   def put_window(self, window: "KVCache") -> "KVCache":
     """Writes a `window(...)` back (in place when this cache is donated)."""
-    origin = (0,) * self.k.ndim
-    return KVCache(k=jax.lax.dynamic_update_slice(self.k, window.k, origin),
-                   v=jax.lax.dynamic_update_slice(self.v, window.v, origin),
+    put = lambda buf, part: jax.lax.dynamic_update_slice(buf, part, (0,) * buf.ndim)
+    return KVCache(k=jax.tree.map(put, self.k, window.k), v=jax.tree.map(put, self.v, window.v),
                    lengths=window.lengths)
 
 
 def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=jnp.float32,
-               sharding=None) -> KVCache:
+               sharding=None, per_layer: bool = False) -> KVCache:
+  """An empty cache; per_layer gives each layer its own buffers (see the module doc)."""
   shape = (config.num_layers, batch_size, config.num_kv_heads, max_len, config.head_dim)
-  # Two separate buffers: the cache is donated, and one buffer cannot be donated twice.
-  return KVCache(k=jnp.zeros(shape, dtype, device=sharding),
-                 v=jnp.zeros(shape, dtype, device=sharding),
-                 lengths=jnp.zeros((batch_size,), jnp.int32))
+  # Separate buffers: the cache is donated, and one buffer cannot be donated twice.
+  if per_layer:
+    layer = (1,) + shape[1:]
+    zeros = lambda: tuple(jnp.zeros(layer, dtype, device=sharding)
+                          for _ in range(config.num_layers))
+  else:
+    zeros = lambda: jnp.zeros(shape, dtype, device=sharding)
+  return KVCache(k=zeros(), v=zeros(), lengths=jnp.zeros((batch_size,), jnp.int32))

@@ -3,8 +3,14 @@
 One `forward` serves prefill, single-token decode and multi-token tree verification: new
 tokens carry explicit positions and an explicit mask among themselves, are written into
 the cache after each row's committed prefix, and attend to that prefix plus the new
-tokens the mask allows. Layers are stacked and run under `lax.scan` so compile time does
-not grow with depth.
+tokens the mask allows.
+
+Two layouts of the layers, one set of functions: stacked (every weight [L, ...]), run under
+`lax.scan` so compile time does not grow with depth (training, checkpoints, import), and
+per layer (`unstack_layers`: a tuple of layers, each weight [1, ...]), run as an unrolled
+loop. Rollout uses the second: under a scan, XLA's CPU backend copies each layer's
+weights and cache out of the stacked arrays at every decode step (about as much memory
+traffic again as the step's own reads), while a layer's own buffers are read in place.
 
 Param layout (matrices are [in, out]):
   embed [V, E]; final_norm [E]; lm_head [E, V] (untied only);
@@ -22,7 +28,7 @@ from tlt_jax.data.packing import block_causal_mask
 from tlt_jax.models.attention import attend
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.dense import dense
-from tlt_jax.models.kv_cache import KVCache, init_cache
+from tlt_jax.models.kv_cache import KVCache, init_cache, layer_buffer
 from tlt_jax.models.rope import apply_rope, inverse_frequencies
 from tlt_jax.pallas.tree_attention import resolve_impl, tree_attention
 from tlt_jax.sharding.rules import MeshRules, constrain
@@ -50,6 +56,21 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Param
   if not config.tie_word_embeddings:
     params["lm_head"] = normal((e, v), e ** -0.5)
   return params
+
+
+def unstack_layers(params: Params) -> Params:
+  """The params with their layers split into a tuple of per-layer pytrees (each weight
+  [1, ...]): the rollout's layout (module doc). Copies the layer weights once; params
+  already split are returned as they are."""
+  if isinstance(params["layers"], tuple):
+    return params
+  return {**params, "layers": _split_layers(params["layers"])}
+
+
+@jax.jit
+def _split_layers(layers: Params) -> tuple[Params, ...]:
+  num_layers = jax.tree.leaves(layers)[0].shape[0]
+  return tuple(jax.tree.map(lambda w: w[i:i + 1], layers) for i in range(num_layers))
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -126,9 +147,9 @@ def run_layers_new_kv(layers: Params, config: ModelConfig, x: jax.Array, positio
                       rules: MeshRules | None = None, cache_mask: jax.Array | None = None,
                       attention_impl: str = "auto", remat: bool = False
                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Runs a stack of decoder layers on embeddings x [B, T, E] against a read-only cache
-  with one entry per layer; returns (x, new_k, new_v), the new K/V as [L, B, T, K, D].
-  Shared by the target model and the one-layer drafter.
+  """Runs the decoder layers (stacked, or per layer: module doc) on embeddings x [B, T, E]
+  against a read-only cache with one entry per layer; returns (x, new_k, new_v), the new
+  K/V as [L, B, T, K, D]. Shared by the target model and the one-layer drafter.
 
   Visibility: new_mask [B, T, T] among the new tokens (default causal) and cache_mask
   [B, T, max_len] over the cache (default: the committed prefix). A drafter growing a
@@ -152,8 +173,17 @@ def run_layers_new_kv(layers: Params, config: ModelConfig, x: jax.Array, positio
 
   if remat:
     body = jax.checkpoint(body)
-  x, (new_k, new_v) = jax.lax.scan(body, x, (layers, cache.k, cache.v))
-  return x, new_k, new_v
+  if not isinstance(layers, tuple):
+    if cache.per_layer:
+      raise ValueError("stacked layers need a stacked cache (init_cache(per_layer=False))")
+    x, (new_k, new_v) = jax.lax.scan(body, x, (layers, cache.k, cache.v))
+    return x, new_k, new_v
+  new = []
+  for i, layer in enumerate(layers):
+    x, kv = body(x, (jax.tree.map(lambda w: w[0], layer), layer_buffer(cache.k, i),
+                     layer_buffer(cache.v, i)))
+    new.append(kv)
+  return x, jnp.stack([k for k, _ in new]), jnp.stack([v for _, v in new])
 
 
 def run_layers(layers: Params, config: ModelConfig, x: jax.Array, positions: jax.Array,
@@ -207,4 +237,4 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
   """
   hidden, new_k, new_v = forward_new_kv(params, config, tokens, positions, cache, new_mask,
                                         rules, attention_impl)
-  return hidden, cache.write_after_committed(new_k, new_v)
+  return hidden, cache.write_after_committed(new_k, new_v, after=hidden)

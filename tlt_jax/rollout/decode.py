@@ -90,7 +90,7 @@ def empty_state(cache: KVCache, caps: jax.Array, live: jax.Array, key: jax.Array
       out_logprobs=jnp.zeros((b, max_new_tokens), jnp.float32),
       key=key,
       history=jnp.zeros((b, max_len), jnp.int32) if keep_hidden else None,
-      hidden_buf=(jnp.zeros((b, max_len, hidden_size), cache.k.dtype) if keep_hidden
+      hidden_buf=(jnp.zeros((b, max_len, hidden_size), cache.dtype) if keep_hidden
                   else None))
 
 
@@ -112,16 +112,14 @@ def prefill_rows(params: Params, state: DecodeState, tokens: jax.Array, lengths:
   cache = state.cache
   # The prompt attends to itself alone: scoring it against every (empty, masked) cache slot
   # as well took a third of a 16-row, 192-token prefill with a 1024-slot cache on CPU.
-  empty = KVCache(k=cache.k[:, :g, :, :0], v=cache.v[:, :g, :, :0],
-                  lengths=jnp.zeros((g,), jnp.int32))
+  empty = cache.map(lambda buf: buf[:, :g, :, :0]).replace(lengths=jnp.zeros((g,), jnp.int32))
   hidden, new_k, new_v = forward_new_kv(params, config, tokens, positions, empty, None, rules,
                                         attention_impl)
   # new K/V [L, G, T, K, D] into cache rows row_start.. at slots 0..T-1 ([L, B, K, S, D]).
   put = lambda buf, new: jax.lax.dynamic_update_slice(
       buf, new.transpose(0, 1, 3, 2, 4).astype(buf.dtype), (0, row_start, 0, 0, 0))
-  cache = cache.replace(k=put(cache.k, new_k), v=put(cache.v, new_v),
-                        lengths=jax.lax.dynamic_update_slice(
-                            cache.lengths, lengths.astype(jnp.int32), (row_start,)))
+  cache = cache.map(put, new_k, new_v).replace(lengths=jax.lax.dynamic_update_slice(
+      cache.lengths, lengths.astype(jnp.int32), (row_start,)))
   last_hidden = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
   key, sub = jax.random.split(state.key)
   first, first_logprob = sample_and_score(sub, lm_logits(params, config, last_hidden, rules),
@@ -133,10 +131,16 @@ def prefill_rows(params: Params, state: DecodeState, tokens: jax.Array, lengths:
               in_group & ~state.done, eos_ids, max_new_tokens)
 
 
+# XLA's CPU backend hands dots to its YNN library by default, which ran the decode step's
+# few-row matmuls (SmolLM2, 8 rows: [8, 576] x [576, 1536]) about 6x slower than its Eigen
+# path; the option is read by the CPU compiler alone.
+SMALL_BATCH_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
 @functools.partial(jax.jit, static_argnames=("config", "sampling", "eos_ids", "max_new_tokens",
                                              "chunk_steps", "window", "rules",
                                              "attention_impl"),
-                   donate_argnames=("state",))
+                   donate_argnames=("state",), compiler_options=SMALL_BATCH_COMPILER_OPTIONS)
 def decode_chunk(params: Params, state: DecodeState, *, config: ModelConfig,
                  sampling: SamplingParams, eos_ids: tuple[int, ...], max_new_tokens: int,
                  chunk_steps: int, window: int | None = None, rules: MeshRules | None = None,

@@ -26,7 +26,7 @@ from tlt_jax.errors import UserInputError
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import DrafterParams, draft_head, init_drafter_cache
 from tlt_jax.models.kv_cache import KVCache, init_cache
-from tlt_jax.models.transformer import Params
+from tlt_jax.models.transformer import Params, unstack_layers
 from tlt_jax.pallas.tree_attention import IMPLS
 from tlt_jax.rollout import decode, speculative
 from tlt_jax.rollout.bandit import StrategyBandit
@@ -98,7 +98,7 @@ def take_rows(state, rows: jax.Array):
   """Gathers batch rows of a decode/spec state (compaction); the RNG key is shared."""
   def take(x):
     if isinstance(x, KVCache):
-      return x.replace(k=x.k[:, rows], v=x.v[:, rows], lengths=x.lengths[rows])
+      return x.map(lambda buf: buf[:, rows]).replace(lengths=x.lengths[rows])
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
       return x
     return x[rows]
@@ -287,6 +287,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
   """
   check_attention_impl(attention_impl)
   plan = plan_rollout(prompts, max_new_tokens, config, buckets, spec, eos_ids)
+  params = unstack_layers(params)
   batch, prompt_len, cache_len = plan.batch, plan.prompt_len, plan.cache_len
   tokens, lengths, live = pad_prompts(prompts, batch, prompt_len)
   row_caps = np.ones((batch,), np.int32)
@@ -300,7 +301,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
 
   start = time.perf_counter()
   state = prefill(params, tokens, lengths, live, row_caps,
-                  init_cache(config, batch, cache_len, dtype), jax.random.key(seed),
+                  init_cache(config, batch, cache_len, dtype, per_layer=True), jax.random.key(seed),
                   buckets=buckets, keep_hidden=spec is not None, rules=rules, **static)
   row_ids = np.where(live, order, -1)
   harvest = _Harvest(len(prompts))

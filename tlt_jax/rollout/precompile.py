@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import draft_head
 from tlt_jax.models.kv_cache import init_cache
-from tlt_jax.models.transformer import Params
+from tlt_jax.models.transformer import Params, unstack_layers
 from tlt_jax.rollout import decode, speculative
 from tlt_jax.rollout.buckets import BucketSpec
 from tlt_jax.rollout.engine import (SpecConfig, check_attention_impl, chunk_reach,
@@ -39,6 +39,7 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
   check_attention_impl(attention_impl)
   before = compiled_programs()
   plan = plan_rollout(prompts, max_new_tokens, config, buckets, spec, eos_ids)
+  params = unstack_layers(params)
   static = dict(config=config, sampling=sampling, eos_ids=plan.eos_ids,
                 max_new_tokens=plan.max_new_tokens, attention_impl=attention_impl)
   dtype = params["embed"].dtype
@@ -55,7 +56,8 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
       for w in buckets.attention_windows(chunk_reach(1, chunk_steps, spec_or_none),
                                          plan.cache_len)]
 
-  state = decode.empty_state(init_cache(config, start, plan.cache_len, dtype),
+  state = decode.empty_state(init_cache(config, start, plan.cache_len, dtype,
+                                        per_layer=True),
                              jnp.ones((start,), jnp.int32), jnp.zeros((start,), bool),
                              jax.random.key(0), max_new_tokens=plan.max_new_tokens,
                              keep_hidden=spec is not None, hidden_size=config.hidden_size)
