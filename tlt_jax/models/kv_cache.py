@@ -27,7 +27,7 @@ CACHE_AXES = ("layers", "batch", "act_kv_heads", "length", "head_dim")
 Buffers = jax.Array | tuple[jax.Array, ...]
 
 
-def map_buffers(fn, buffers: Buffers, *stacked: jax.Array) -> Buffers:
+def _map_buffers(fn, buffers: Buffers, *stacked: jax.Array) -> Buffers:
   """fn(buffer [l, ...], *arrays [l, ...]) over one stacked buffer, or over each layer's
   buffer with its layer of each of `stacked` ([L, ...] arrays)."""
   if isinstance(buffers, tuple):
@@ -66,9 +66,9 @@ class KVCache:
           ) -> "KVCache":
     """fn(buffer [l, B, K, S, D], *new [l, ...]) on every K and V buffer, with the matching
     layers of new_k/new_v [L, ...] when given; lengths are unchanged."""
-    extra = lambda new: () if new is None else (new,)
-    return self.replace(k=map_buffers(fn, self.k, *extra(new_k)),
-                        v=map_buffers(fn, self.v, *extra(new_v)))
+    if new_k is None:
+      return self.replace(k=_map_buffers(fn, self.k), v=_map_buffers(fn, self.v))
+    return self.replace(k=_map_buffers(fn, self.k, new_k), v=_map_buffers(fn, self.v, new_v))
 
   def advance(self, num_tokens: jax.Array) -> "KVCache":
     return self.replace(lengths=self.lengths + num_tokens.astype(jnp.int32))
