@@ -85,6 +85,38 @@ def test_prefill_groups_pad_only_to_their_own_longest_prompt():
     np.testing.assert_allclose(a.logprobs, logprobs, atol=1e-5)
 
 
+def test_rows_sharing_a_prompt_prefill_it_once():
+  """A GRPO group's rows share one prompt: each distinct prompt of a prefill group runs
+  once (a power-of-two count of them), every row gets its K/V, and the tokens are those of
+  a cacheless reference; at T=1 the rows still draw their first tokens apart."""
+  from tlt_jax.rollout import decode
+  from tlt_jax.rollout.engine import distinct_prompts
+  params = transformer.init_params(CONFIG, jax.random.key(6))
+  rng = np.random.RandomState(2)
+  a, b, c = (rng.randint(1, CONFIG.vocab_size, n).tolist() for n in (7, 11, 7))
+  prompts = [a, b, a, a, b, c]
+  tokens = np.zeros((8, 16), np.int32)
+  lengths = np.ones(8, np.int32)
+  for i, p in enumerate(prompts):
+    tokens[i, :len(p)], lengths[i] = p, len(p)
+  picked, sources = distinct_prompts(tokens, lengths, BucketSpec())
+  assert len(picked) == 4                    # a, b, c and the dead rows' padding prompt
+  np.testing.assert_array_equal(tokens[picked][sources], tokens)
+  np.testing.assert_array_equal(lengths[picked][sources], lengths)
+
+  before = decode.prefill_rows._cache_size()
+  out = generate(params, CONFIG, prompts, max_new_tokens=5, sampling=SamplingParams(0.0),
+                 buckets=BucketSpec(prompt_page=8, prefill_groups=1))
+  assert decode.prefill_rows._cache_size() - before == 1
+  for prompt, o in zip(prompts, out.outputs):
+    expected, logprobs = _greedy_without_cache(params, prompt, 5)
+    assert o.token_ids == expected
+    np.testing.assert_allclose(o.logprobs, logprobs, atol=1e-5)
+  sampled = generate(params, CONFIG, [a] * 8, max_new_tokens=1, sampling=SamplingParams(1.0),
+                     seed=3)
+  assert len({o.token_ids[0] for o in sampled.outputs}) > 1
+
+
 def test_tail_seconds_start_once_nine_tenths_of_the_rows_are_done():
   from tlt_jax.rollout.engine import tail_seconds
   trace = [(1.0, 20), (2.0, 9), (3.5, 2), (4.0, 1), (9.0, 0)]

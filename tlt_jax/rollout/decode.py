@@ -98,28 +98,34 @@ def empty_state(cache: KVCache, caps: jax.Array, live: jax.Array, key: jax.Array
                                              "rules", "attention_impl"),
                    donate_argnames=("state",))
 def prefill_rows(params: Params, state: DecodeState, tokens: jax.Array, lengths: jax.Array,
-                 row_start: jax.Array, *, config: ModelConfig, sampling: SamplingParams,
-                 eos_ids: tuple[int, ...], max_new_tokens: int,
+                 sources: jax.Array, row_start: jax.Array, *, config: ModelConfig,
+                 sampling: SamplingParams, eos_ids: tuple[int, ...], max_new_tokens: int,
                  rules: MeshRules | None = None, attention_impl: str = "auto") -> DecodeState:
-  """Runs the right-padded prompts [G, T] (true lengths [G]) of rows row_start..+G, whose
-  cache rows are empty, and emits their first tokens (rows already done emit nothing).
+  """Prefills cache rows row_start..+G, which are empty, and emits their first tokens (rows
+  already done emit nothing). Row i holds prompt `sources[i]` of the right-padded, distinct
+  prompts `tokens` [U, T] (true lengths [U]): the U prompts run once and their K/V are
+  copied to every row that shares them, as a GRPO group's rows do. First tokens are drawn
+  per row.
 
   A batch is prefilled in groups of rows of similar prompt length, each padded only to its
-  own longest prompt; one program per (G, T) serves every group of that shape."""
-  g, t = tokens.shape
+  own longest prompt; one program per (U, G, T) serves every group of that shape."""
+  g, t = sources.shape[0], tokens.shape[1]
   rows = row_start + jnp.arange(g)
-  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (g, t))
-  cache = state.cache
-  # The prompt attends to itself alone: scoring it against every (empty, masked) cache slot
-  # as well took a third of a 16-row, 192-token prefill with a 1024-slot cache on CPU.
-  empty = cache.map(lambda buf: buf[:, :g, :, :0]).replace(lengths=jnp.zeros((g,), jnp.int32))
+  # The prompts attend to themselves alone: scoring them against every (empty, masked)
+  # cache slot as well took a third of a 16-row, 192-token prefill with a 1024-slot cache
+  # on CPU.
+  u = tokens.shape[0]
+  empty = state.cache.map(lambda buf: buf[:, :u, :, :0]).replace(
+      lengths=jnp.zeros((u,), jnp.int32))
+  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (u, t))
   hidden, new_k, new_v = forward_new_kv(params, config, tokens, positions, empty, None, rules,
                                         attention_impl)
-  # new K/V [L, G, T, K, D] into cache rows row_start.. at slots 0..T-1 ([L, B, K, S, D]).
+  tokens, positions, hidden, lengths = (x[sources] for x in (tokens, positions, hidden, lengths))
+  # new K/V [L, U, T, K, D] -> rows row_start.. at slots 0..T-1 of the cache ([L, B, K, S, D]).
   put = lambda buf, new: jax.lax.dynamic_update_slice(
-      buf, new.transpose(0, 1, 3, 2, 4).astype(buf.dtype), (0, row_start, 0, 0, 0))
-  cache = cache.map(put, new_k, new_v).replace(lengths=jax.lax.dynamic_update_slice(
-      cache.lengths, lengths.astype(jnp.int32), (row_start,)))
+      buf, new[:, sources].transpose(0, 1, 3, 2, 4).astype(buf.dtype), (0, row_start, 0, 0, 0))
+  cache = state.cache.map(put, new_k, new_v).replace(lengths=jax.lax.dynamic_update_slice(
+      state.cache.lengths, lengths.astype(jnp.int32), (row_start,)))
   last_hidden = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
   key, sub = jax.random.split(state.key)
   first, first_logprob = sample_and_score(sub, lm_logits(params, config, last_hidden, rules),
@@ -131,16 +137,10 @@ def prefill_rows(params: Params, state: DecodeState, tokens: jax.Array, lengths:
               in_group & ~state.done, eos_ids, max_new_tokens)
 
 
-# XLA's CPU backend hands dots to its YNN library by default; without it, SmolLM2's
-# per-layer decode chunk ran 95 -> 83 ms/step at 8 rows, 216 -> 205 at 32 and level at 1
-# (same-process A/B, 2-core CPU). The option is read by the CPU compiler alone.
-SMALL_BATCH_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
-
-
 @functools.partial(jax.jit, static_argnames=("config", "sampling", "eos_ids", "max_new_tokens",
                                              "chunk_steps", "window", "rules",
                                              "attention_impl"),
-                   donate_argnames=("state",), compiler_options=SMALL_BATCH_COMPILER_OPTIONS)
+                   donate_argnames=("state",))
 def decode_chunk(params: Params, state: DecodeState, *, config: ModelConfig,
                  sampling: SamplingParams, eos_ids: tuple[int, ...], max_new_tokens: int,
                  chunk_steps: int, window: int | None = None, rules: MeshRules | None = None,

@@ -212,7 +212,8 @@ def prefill(params: Params, tokens: np.ndarray, lengths: np.ndarray, live: np.nd
             keep_hidden: bool, rules: MeshRules | None, config: ModelConfig,
             **static) -> decode.DecodeState:
   """Prefills padded prompts whose rows are sorted longest first, group by group
-  (`BucketSpec.prefill_groups`), each group padded only to its own longest prompt."""
+  (`BucketSpec.prefill_groups`), each group padded only to its own longest prompt and
+  running each distinct prompt once (`distinct_prompts`)."""
   state = decode.empty_state(cache, jnp.asarray(caps), jnp.asarray(live), key,
                              max_new_tokens=static["max_new_tokens"], keep_hidden=keep_hidden,
                              hidden_size=config.hidden_size)
@@ -220,10 +221,28 @@ def prefill(params: Params, tokens: np.ndarray, lengths: np.ndarray, live: np.nd
   for start in range(0, len(lengths), rows):
     group = slice(start, start + rows)
     width = buckets.prompt_length(int(lengths[group].max()))
-    state = decode.prefill_rows(params, state, jnp.asarray(tokens[group, :width]),
-                                jnp.asarray(lengths[group]), jnp.int32(start), config=config,
-                                rules=rules, **static)
+    picked, sources = distinct_prompts(tokens[group], lengths[group], buckets)
+    state = decode.prefill_rows(params, state, jnp.asarray(tokens[group][picked, :width]),
+                                jnp.asarray(lengths[group][picked]), jnp.asarray(sources),
+                                jnp.int32(start), config=config, rules=rules, **static)
   return state
+
+
+def prompt_ids(tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+  """Each row's prompt, numbered by first occurrence: equal ids, equal prompts."""
+  ids: dict[bytes, int] = {}
+  return np.array([ids.setdefault(row[:n].tobytes(), len(ids))
+                   for row, n in zip(tokens, lengths)], np.int64)
+
+
+def distinct_prompts(tokens: np.ndarray, lengths: np.ndarray, buckets: BucketSpec
+                     ) -> tuple[np.ndarray, np.ndarray]:
+  """(rows of `tokens` [G, T] to run: one per distinct prompt, padded by repeats to
+  `BucketSpec.distinct_prompts`; each row's index into them)."""
+  sources = prompt_ids(tokens, lengths)
+  picked = [int(np.argmax(sources == i)) for i in range(sources.max() + 1)]
+  count = buckets.distinct_prompts(len(picked), len(lengths))
+  return np.array(picked + picked[:1] * (count - len(picked))), sources.astype(np.int32)
 
 
 def tail_seconds(trace: Sequence[tuple[float, int]], num_prompts: int) -> float:
@@ -292,7 +311,8 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
   tokens, lengths, live = pad_prompts(prompts, batch, prompt_len)
   row_caps = np.ones((batch,), np.int32)
   row_caps[:len(prompts)] = plan.caps
-  order = np.argsort(-lengths, kind="stable")     # longest prompts first: see `prefill`
+  # Longest prompts first, equal prompts adjacent: see `prefill`.
+  order = np.lexsort((prompt_ids(tokens, lengths), -lengths))
   tokens, lengths, live, row_caps = tokens[order], lengths[order], live[order], row_caps[order]
   static = dict(config=config, sampling=sampling, eos_ids=plan.eos_ids,
                 max_new_tokens=plan.max_new_tokens, attention_impl=attention_impl)

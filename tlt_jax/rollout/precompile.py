@@ -63,9 +63,11 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
                              keep_hidden=spec is not None, hidden_size=config.hidden_size)
   group_rows = buckets.prefill_group_rows(start)
   for width in buckets.prompt_lengths(plan.prompt_len):   # any prefill group's padding
-    state = decode.prefill_rows(params, state, jnp.zeros((group_rows, width), jnp.int32),
-                                jnp.ones((group_rows,), jnp.int32), jnp.int32(0),
-                                rules=rules, **static)
+    for count in buckets.distinct_prompt_counts(group_rows):
+      state = decode.prefill_rows(params, state, jnp.zeros((count, width), jnp.int32),
+                                  jnp.ones((count,), jnp.int32),
+                                  jnp.zeros((group_rows,), jnp.int32), jnp.int32(0),
+                                  rules=rules, **static)
   states = {start: state}
   _compact_pairs(states, batches)
   for b in batches:

@@ -35,7 +35,7 @@ from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import DrafterParams, draft_logits, drafter_forward
 from tlt_jax.models.kv_cache import KVCache
 from tlt_jax.models.transformer import Params, forward_new_kv, lm_logits
-from tlt_jax.rollout.decode import SMALL_BATCH_COMPILER_OPTIONS, DecodeState, emit
+from tlt_jax.rollout.decode import DecodeState, emit
 from tlt_jax.rollout.acceptance import recursive_rejection
 from tlt_jax.rollout.sampling import (SamplingParams, argmax, policy_logprobs,
                                       processed_logprobs)
@@ -351,7 +351,7 @@ def spec_step(params: Params, drafter: DrafterParams, head: jax.Array,
 @functools.partial(jax.jit, static_argnames=("config", "strategy", "sampling", "eos_ids",
                                              "max_new_tokens", "chunk_steps", "window",
                                              "draft_temperature_ratio", "attention_impl"),
-                   donate_argnames=("state",), compiler_options=SMALL_BATCH_COMPILER_OPTIONS)
+                   donate_argnames=("state",))
 def spec_chunk(params: Params, drafter: DrafterParams, head: jax.Array,
                vocab_ids: jax.Array | None, state: SpecState, *, config: ModelConfig,
                strategy: SpecStrategy,
