@@ -16,7 +16,8 @@ sides alternate at the granularity of whole runs: A B C A B C ..., --repeats rou
 --steps steps each. The first --warmup_steps (1) of every run (compilation, warm-up) are
 dropped; the report has medians of the per-step phase times (rollout / reference / train /
 total) over the rest, peak RSS, paired per-round ratios of the project against the faster
-peer, the CPU's jitted fp32 matmul throughput at training-like shapes (measured here, before
+peer (the project runs with --precompile: its rollout programs compile before step 1, set-up
+time as the peers' model loads are), the CPU's jitted fp32 matmul throughput at training-like shapes (measured here, before
 and after the runs) and the project's train-phase FLOP rate (6 x params x trained tokens per
 second; the reference forward, 2 x params x tokens, beside it), so "train phase at >= 70% of
 the matmul throughput" can be read off. One JSON object on stdout (and in --output_json).
@@ -182,7 +183,7 @@ def project_command(side: str, run_dir: str) -> list[str]:
          f"--max_prompt_len={_MAX_PROMPT.value}", f"--max_new_tokens={_MAX_NEW.value}",
          "--temperature=1", f"--kl_coef={_KL.value}", f"--lr={_LR.value}", "--adam_b2=0.999",
          f"--micro_batch_rows={_PROJECT_MICRO_ROWS.value}", f"--steps={_STEPS.value}",
-         "--eval_every=0", "--reward=reasoning_gym", f"--run_dir={run_dir}",
+         "--eval_every=0", "--reward=reasoning_gym", f"--run_dir={run_dir}", "--precompile",
          f"--checkpoint_every={_STEPS.value}", "--keep_checkpoints=1",
          f"--export_hf={os.path.join(run_dir, 'hf_export')}"]
   if side == "project_sd":

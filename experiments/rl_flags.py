@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import time
 from typing import Any
 
 from absl import flags
@@ -50,6 +51,9 @@ _STRATEGY = flags.DEFINE_string("strategy", "4_1_5", "SD strategy DEPTH_TOPK_VER
                                 "comma-separated pool for the BEG-MAB bandit.")
 _SD_THRESHOLD = flags.DEFINE_integer("sd_threshold", 32, "SD on at <= this many live rows ...")
 _SD_PATIENCE = flags.DEFINE_integer("sd_patience", 10, "... for this many decode steps.")
+_PRECOMPILE = flags.DEFINE_bool("precompile", False, "Compile every program a step's rollout "
+                                "can dispatch before step 1 (minutes on CPU), so no step "
+                                "waits on the compiler mid-rollout.")
 _ATTENTION = flags.DEFINE_enum("attention_impl", "auto", ["auto", "reference", "pallas",
                                                           "triton"], "Rollout attention kernel.")
 # ---- algorithm
@@ -99,7 +103,8 @@ _TP = flags.DEFINE_integer("tp", 1, "Trainer mesh: tensor-parallel ways (heads, 
 
 # Flags that may change when a run resumes; every other must match the checkpoint's.
 RESUMABLE_CHANGES = ("steps", "run_dir", "resume", "checkpoint_every", "keep_checkpoints",
-                     "eval_every", "export_hf", "reward_workers", "reward_timeout_s", "flagfile")
+                     "eval_every", "export_hf", "reward_workers", "reward_timeout_s", "flagfile",
+                     "precompile")
 
 
 def check_run_dir(run_dir: str) -> None:
@@ -145,6 +150,18 @@ class Run:
     sd = f", SD {_STRATEGY.value} below {_SD_THRESHOLD.value} rows" if self.spec else ""
     return (f"{_MODEL.value} on {self.data_counts['num_train']} prompts "
             f"({_PROMPTS.value} x {_GROUP.value} per step, <= {_MAX_NEW.value} tokens{sd})")
+
+  def precompile(self) -> None:
+    """`--precompile`: every program a step's rollout can dispatch, compiled now."""
+    if not _PRECOMPILE.value:
+      return
+    from tlt_jax.rl.rollout import precompile_rollouts
+    print("precompiling the rollout's programs ...", file=sys.stderr)
+    start = time.perf_counter()
+    count = precompile_rollouts(self.learner.rollout_params, self.learner.config,
+                                _PROMPTS.value, _MAX_PROMPT_LEN.value, self.learner.rollout)
+    print(f"precompiled {count} programs in {time.perf_counter() - start:.0f} s",
+          file=sys.stderr)
 
   def checkpoint_meta(self, history: list) -> dict[str, Any]:
     bandit = self.spec.bandit if self.spec is not None else None
@@ -279,7 +296,8 @@ def build_run(total_steps: int) -> Run:
   eos_ids = tuple(sorted(set(model.config.eos_token_ids) | set(tokenizer.eos_token_ids)))
   rollout = RolloutSettings(group_size=_GROUP.value, max_new_tokens=_MAX_NEW.value,
                             sampling=algo["sampling"], eos_ids=eos_ids, spec=spec,
-                            attention_impl=_ATTENTION.value)
+                            attention_impl=_ATTENTION.value,
+                            min_row_tokens=_MAX_PROMPT_LEN.value + _MAX_NEW.value)
   context = UpdateContext(config=model.config, sampling=algo["sampling"], loss=algo["loss"],
                           update=update_config, optimizer=optimizer, learning_rate=schedule,
                           max_response_len=_MAX_NEW.value)

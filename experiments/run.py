@@ -90,6 +90,7 @@ def main(argv):
     learner.rollout_params = learner.sync_weights(learner.state.params)
     history = meta["history"]
     print(f"resumed {run_dir} at step {resume_step}", file=sys.stderr)
+  run.precompile()
   log = MetricsLog(run_dir, history)
   first = (resume_step or 0) + 1
   print(f"training {run.describe()} for {_STEPS.value} steps -> {run_dir}", file=sys.stderr)

@@ -41,7 +41,8 @@ def training_fields(path):
 @pytest.fixture(scope="module")
 def finished_run(tiny_hf_dirs, tmp_path_factory):
   run_dir = str(tmp_path_factory.mktemp("rl") / "run")
-  proc = run_cli(run_dir, tiny_hf_dirs["qwen2"], "--steps=4", "--checkpoint_every=2")
+  proc = run_cli(run_dir, tiny_hf_dirs["qwen2"], "--steps=4", "--checkpoint_every=2",
+                 "--precompile")
   return run_dir, proc
 
 
@@ -63,6 +64,9 @@ def test_run_dir_holds_every_artifact(finished_run):
               "rollout/logprob_diff_mean"):
     assert key in records[1], key
   assert "val/accuracy" in records[0] and "val/accuracy" in records[2]
+  # --precompile built every rollout program before step 1, whatever a step's prompts.
+  assert [r["compile/rollout_new_programs"] for r in records[1:]] == [0] * 4
+  assert "precompiled" in proc.stderr
   # One update per step: the ratio's old side is the rollout's log-probs, which the
   # trainer reproduces up to rounding.
   assert records[1]["rollout/logprob_diff_max"] < 1e-3

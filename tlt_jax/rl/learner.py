@@ -221,7 +221,8 @@ def rollout_stats(stats: dict) -> dict[str, Any]:
   out = {"rollout/tail_s": stats["rollout/tail_s"],
          "rollout/live_rows_trace": stats["rollout/live_rows"],
          "rollout/generated_tokens": stats["generated_tokens"],
-         "rollout/tokens_per_s": stats["tokens_per_s"]}
+         "rollout/tokens_per_s": stats["tokens_per_s"],
+         "compile/rollout_new_programs": stats["compile/new_programs"]}
   for key in ("spec/accept_len", "spec/enabled_frac", "spec/verify_steps", "spec/strategy"):
     if key in stats:
       out[key] = stats[key]

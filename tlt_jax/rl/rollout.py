@@ -15,6 +15,7 @@ from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.transformer import Params
 from tlt_jax.rollout.buckets import BucketSpec
 from tlt_jax.rollout.engine import SpecConfig, generate
+from tlt_jax.rollout.precompile import precompile
 from tlt_jax.rollout.sampling import SamplingParams
 
 
@@ -29,6 +30,9 @@ class RolloutSettings:
   buckets: BucketSpec = BucketSpec()
   chunk_steps: int = 16
   attention_impl: str = "auto"
+  # The cache of every rollout fits rows this long (max prompt + max new tokens): one cache
+  # length, so one set of programs, whatever a step's longest prompt.
+  min_row_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +75,8 @@ def sample_groups(params: Params, config: ModelConfig, prompts: Sequence[Sequenc
   result = generate(params, config, rows, max_new_tokens=settings.max_new_tokens,
                     sampling=settings.sampling, eos_ids=settings.eos_ids, seed=seed,
                     buckets=settings.buckets, chunk_steps=settings.chunk_steps,
-                    spec=settings.spec, attention_impl=settings.attention_impl)
+                    spec=settings.spec, attention_impl=settings.attention_impl,
+                    min_row_tokens=settings.min_row_tokens)
   return GroupRollouts(
       prompts=rows,
       responses=[o.token_ids for o in result.outputs],
@@ -79,3 +84,15 @@ def sample_groups(params: Params, config: ModelConfig, prompts: Sequence[Sequenc
       truncated=np.array([o.finish_reason == "length" for o in result.outputs]),
       prompt_index=np.repeat(np.arange(len(prompts)), settings.group_size),
       stats=result.stats)
+
+
+def precompile_rollouts(params: Params, config: ModelConfig, num_prompts: int,
+                        max_prompt_len: int, settings: RolloutSettings) -> int:
+  """Compiles every program a rollout of `num_prompts` prompts (of up to `max_prompt_len`
+  tokens) can dispatch, before the first step; returns how many were new."""
+  rows = [[0] * max_prompt_len] * (num_prompts * settings.group_size)
+  return precompile(params, config, rows, max_new_tokens=settings.max_new_tokens,
+                    sampling=settings.sampling, eos_ids=settings.eos_ids,
+                    buckets=settings.buckets, chunk_steps=settings.chunk_steps,
+                    spec=settings.spec, attention_impl=settings.attention_impl,
+                    min_row_tokens=settings.min_row_tokens)

@@ -195,12 +195,14 @@ class RolloutPlan:
 
 def plan_rollout(prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
                  config: ModelConfig, buckets: BucketSpec, spec: SpecConfig | None,
-                 eos_ids: Sequence[int]) -> RolloutPlan:
-  """Validates the prompts and caps, and derives the shapes every program is built for."""
+                 eos_ids: Sequence[int], min_row_tokens: int = 0) -> RolloutPlan:
+  """Validates the prompts and caps, and derives the shapes every program is built for.
+  min_row_tokens sizes the cache for rows of at least that many tokens: a run whose
+  prompts vary in length then keeps one cache length, and so one set of programs."""
   caps = _row_caps(prompts, max_new_tokens, config)
   prompt_len = buckets.prompt_length(max(len(p) for p in prompts))
   margin = speculative.cache_margin(spec.strategies) if spec else 0
-  longest_row = max(len(p) + int(cap) for p, cap in zip(prompts, caps))
+  longest_row = max(min_row_tokens, *(len(p) + int(cap) for p, cap in zip(prompts, caps)))
   return RolloutPlan(caps=tuple(int(c) for c in caps), batch=buckets.batch_bucket(len(prompts)),
                      prompt_len=prompt_len,
                      cache_len=buckets.cache_length(max(prompt_len, longest_row + margin)),
@@ -297,7 +299,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
              eos_ids: Sequence[int] = (), seed: int = 0, buckets: BucketSpec = BucketSpec(),
              chunk_steps: int = 16, rules: MeshRules | None = None,
              spec: SpecConfig | None = None, compact: bool = True,
-             attention_impl: str = "auto") -> GenerationResult:
+             attention_impl: str = "auto", min_row_tokens: int = 0) -> GenerationResult:
   """Generates up to `max_new_tokens` tokens for each prompt (lists of token ids); a
   sequence gives each prompt its own cap.
 
@@ -305,7 +307,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
   (interpreted off-GPU: slow, for checking) or "triton".
   """
   check_attention_impl(attention_impl)
-  plan = plan_rollout(prompts, max_new_tokens, config, buckets, spec, eos_ids)
+  plan = plan_rollout(prompts, max_new_tokens, config, buckets, spec, eos_ids, min_row_tokens)
   params = unstack_layers(params)
   batch, prompt_len, cache_len = plan.batch, plan.prompt_len, plan.cache_len
   tokens, lengths, live = pad_prompts(prompts, batch, prompt_len)

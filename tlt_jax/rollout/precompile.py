@@ -32,13 +32,14 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
                sampling: SamplingParams = SamplingParams(), eos_ids: Sequence[int] = (),
                buckets: BucketSpec = BucketSpec(), chunk_steps: int = 16,
                rules: MeshRules | None = None, spec: SpecConfig | None = None,
-               compact: bool = True, attention_impl: str = "auto") -> int:
+               compact: bool = True, attention_impl: str = "auto",
+               min_row_tokens: int = 0) -> int:
   """Compiles every program `generate` can dispatch with these arguments, for any prompts
   that give the same rollout plan (batch bucket, padded prompt length, cache length).
   Returns how many programs were new. A bandit's state is left untouched."""
   check_attention_impl(attention_impl)
   before = compiled_programs()
-  plan = plan_rollout(prompts, max_new_tokens, config, buckets, spec, eos_ids)
+  plan = plan_rollout(prompts, max_new_tokens, config, buckets, spec, eos_ids, min_row_tokens)
   params = unstack_layers(params)
   static = dict(config=config, sampling=sampling, eos_ids=plan.eos_ids,
                 max_new_tokens=plan.max_new_tokens, attention_impl=attention_impl)
@@ -56,18 +57,22 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
       for w in buckets.attention_windows(chunk_reach(1, chunk_steps, spec_or_none),
                                          plan.cache_len)]
 
-  state = decode.empty_state(init_cache(config, start, plan.cache_len, dtype,
-                                        per_layer=True),
-                             jnp.ones((start,), jnp.int32), jnp.zeros((start,), bool),
-                             jax.random.key(0), max_new_tokens=plan.max_new_tokens,
-                             keep_hidden=spec is not None, hidden_size=config.hidden_size)
+  fresh_state = lambda: decode.empty_state(
+      init_cache(config, start, plan.cache_len, dtype, per_layer=True),
+      jnp.ones((start,), jnp.int32), jnp.zeros((start,), bool), jax.random.key(0),
+      max_new_tokens=plan.max_new_tokens, keep_hidden=spec is not None,
+      hidden_size=config.hidden_size)
+  state = fresh_state()
   group_rows = buckets.prefill_group_rows(start)
   for width in buckets.prompt_lengths(plan.prompt_len):   # any prefill group's padding
     for count in buckets.distinct_prompt_counts(group_rows):
-      state = decode.prefill_rows(params, state, jnp.zeros((count, width), jnp.int32),
-                                  jnp.ones((count,), jnp.int32),
-                                  jnp.zeros((group_rows,), jnp.int32), jnp.int32(0),
-                                  rules=rules, **static)
+      # A rollout's first group starts from a fresh state, the others from a prefilled one
+      # (committed to the device): jit keys those apart.
+      for start_from in (fresh_state(), state):
+        state = decode.prefill_rows(params, start_from, jnp.zeros((count, width), jnp.int32),
+                                    jnp.ones((count,), jnp.int32),
+                                    jnp.zeros((group_rows,), jnp.int32), jnp.int32(0),
+                                    rules=rules, **static)
   states = {start: state}
   _compact_pairs(states, batches)
   for b in batches:
