@@ -40,8 +40,10 @@ def check_rollouts_after_precompile_compile_nothing(use_spec: bool) -> None:
                        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                        max_position_embeddings=512)
   params = transformer.init_params(config, jax.random.key(0))
+  # Distinct prompts (the plan counts the distinct prompts each prefill group runs).
   prompts_of = lambda lengths, seed: [
-      np.random.RandomState(seed).randint(0, config.vocab_size, n).tolist() for n in lengths]
+      np.random.RandomState(seed * 100 + i).randint(0, config.vocab_size, n).tolist()
+      for i, n in enumerate(lengths)]
   spec = None
   if use_spec:
     # epsilon=1: each chunk plays a random strategy, so every one of them comes up.

@@ -374,3 +374,28 @@ def test_policy_loss_jits_with_the_config_static():
   loss, _ = jitted(jnp.zeros((2, 4)), jnp.zeros((2, 4)), jnp.asarray(-PG), weights, weights,
                    config=LossConfig())
   assert float(loss) == pytest.approx(15 / 6, rel=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_logprob_and_entropy_gradient_matches_autodiff(temperature):
+  """The trainer's head scoring has a hand-written gradient (one [K, V] residual): it
+  equals autodiff through log-softmax, the gather and the entropy, any temperature."""
+  from tlt_jax.rl.logprobs import logprob_and_entropy
+  from tlt_jax.rollout.sampling import SamplingParams, policy_logprobs
+  sampling = SamplingParams(temperature)
+  logits = jax.random.normal(jax.random.key(0), (7, 50)) * 3
+  tokens = jnp.array([1, 5, 49, 0, 3, 3, 10])
+  w_logp, w_entropy = jax.random.normal(jax.random.key(1), (2, 7))
+
+  def autodiff(z):
+    logp_all = policy_logprobs(z, sampling)
+    return (jnp.take_along_axis(logp_all, tokens[:, None], axis=-1)[:, 0],
+            -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1))
+
+  def objective(fn):
+    return lambda z: jnp.sum(fn(z)[0] * w_logp) + jnp.sum(fn(z)[1] * w_entropy)
+
+  ours = lambda z: logprob_and_entropy(z, tokens, sampling)
+  np.testing.assert_allclose(ours(logits), autodiff(logits), rtol=1e-6)
+  np.testing.assert_allclose(jax.grad(objective(ours))(logits),
+                             jax.grad(objective(autodiff))(logits), atol=1e-5)

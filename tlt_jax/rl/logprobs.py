@@ -29,13 +29,46 @@ def token_logprobs(params: Params, config: ModelConfig, rows: TrainRows,
   r, t, e = hidden.shape
   slots = rows.scored_slots
   take = lambda x: jnp.take(x.reshape(r * t, *x.shape[2:]), slots, axis=0, mode="clip")
-  logp_all = policy_logprobs(lm_logits(params, config, take(hidden), rules), sampling)  # [K, V]
   next_tokens = take(jnp.pad(rows.tokens[:, 1:], ((0, 0), (0, 1))))
-  logp = jnp.take_along_axis(logp_all, next_tokens[:, None], axis=-1)[:, 0]
-  entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+  logp, entropy = logprob_and_entropy(lm_logits(params, config, take(hidden), rules),
+                                      next_tokens, sampling)
   # Padding entries point past the last slot: the gather clamps them, the scatter drops them.
   scatter = lambda x: jnp.zeros((r * t,), x.dtype).at[slots].set(x, mode="drop").reshape(r, t)
   return scatter(logp), scatter(entropy)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def logprob_and_entropy(logits: jax.Array, tokens: jax.Array, sampling: SamplingParams
+                        ) -> tuple[jax.Array, jax.Array]:
+  """(log-prob of `tokens` [K], entropy [K]) under `policy_logprobs(logits [K, V])`.
+
+  Its gradient keeps one [K, V] residual (the log-probs) and forms d/dlogits in one pass;
+  autodiff through log-softmax, exp and the gather kept several [K, V] buffers, the
+  largest part of a training micro-batch's memory after the layers' activations."""
+  return _logprob_and_entropy_fwd(logits, tokens, sampling)[0]
+
+
+def _logprob_and_entropy_fwd(logits, tokens, sampling):
+  logp_all = policy_logprobs(logits, sampling)
+  logp = jnp.take_along_axis(logp_all, tokens[:, None], axis=-1)[:, 0]
+  entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+  # The empty array carries the logits' dtype to the backward pass.
+  return (logp, entropy), (logp_all, tokens, entropy, jnp.zeros((0,), logits.dtype))
+
+
+def _logprob_and_entropy_bwd(sampling, residuals, cotangents):
+  # With z = logits / scale and p = softmax(z): d logp[t] / dz = onehot(t) - p and
+  # d entropy / dz = -p * (log p + entropy).
+  logp_all, tokens, entropy, like = residuals
+  d_logp, d_entropy = cotangents
+  p = jnp.exp(logp_all)
+  onehot = jnp.arange(logp_all.shape[-1]) == tokens[:, None]
+  d_z = (d_logp[:, None] * (onehot - p)
+         - d_entropy[:, None] * p * (logp_all + entropy[:, None]))
+  return (d_z / sampling.logprob_temperature).astype(like.dtype), None
+
+
+logprob_and_entropy.defvjp(_logprob_and_entropy_fwd, _logprob_and_entropy_bwd)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "sampling", "rules"))

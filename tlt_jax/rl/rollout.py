@@ -89,8 +89,9 @@ def sample_groups(params: Params, config: ModelConfig, prompts: Sequence[Sequenc
 def precompile_rollouts(params: Params, config: ModelConfig, num_prompts: int,
                         max_prompt_len: int, settings: RolloutSettings) -> int:
   """Compiles every program a rollout of `num_prompts` prompts (of up to `max_prompt_len`
-  tokens) can dispatch, before the first step; returns how many were new."""
-  rows = [[0] * max_prompt_len] * (num_prompts * settings.group_size)
+  tokens, each sampled `group_size` times) can dispatch, before the first step; returns how
+  many were new."""
+  rows = [[p] * max_prompt_len for p in range(num_prompts) for _ in range(settings.group_size)]
   return precompile(params, config, rows, max_new_tokens=settings.max_new_tokens,
                     sampling=settings.sampling, eos_ids=settings.eos_ids,
                     buckets=settings.buckets, chunk_steps=settings.chunk_steps,

@@ -51,10 +51,6 @@ class BucketSpec:
     two (repeats pad it), at most the group's rows."""
     return min(group_rows, 1 << (count - 1).bit_length())
 
-  def distinct_prompt_counts(self, group_rows: int) -> list[int]:
-    """Every value `distinct_prompts` can give for a group of `group_rows` rows."""
-    return sorted({self.distinct_prompts(n, group_rows) for n in range(1, group_rows + 1)})
-
   def attention_window(self, tokens: int, cache_length: int) -> int:
     """The cache prefix a decode chunk attends over to reach `tokens`: a page times a power
     of two (so log2(cache pages) programs per cache length at most), capped at the cache."""

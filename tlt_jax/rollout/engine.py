@@ -187,6 +187,7 @@ class RolloutPlan:
   prompt_len: int              # padded prompt length
   cache_len: int
   eos_ids: tuple[int, ...]
+  prefill_prompts: tuple[int, ...]   # distinct prompts each prefill group runs, in order
 
   @property
   def max_new_tokens(self) -> int:
@@ -203,10 +204,25 @@ def plan_rollout(prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequenc
   prompt_len = buckets.prompt_length(max(len(p) for p in prompts))
   margin = speculative.cache_margin(spec.strategies) if spec else 0
   longest_row = max(min_row_tokens, *(len(p) + int(cap) for p, cap in zip(prompts, caps)))
-  return RolloutPlan(caps=tuple(int(c) for c in caps), batch=buckets.batch_bucket(len(prompts)),
-                     prompt_len=prompt_len,
+  batch = buckets.batch_bucket(len(prompts))
+  tokens, lengths, _, _ = sorted_rows(prompts, batch, prompt_len)
+  rows = buckets.prefill_group_rows(batch)
+  return RolloutPlan(caps=tuple(int(c) for c in caps), batch=batch, prompt_len=prompt_len,
                      cache_len=buckets.cache_length(max(prompt_len, longest_row + margin)),
-                     eos_ids=tuple(sorted(set(int(e) for e in eos_ids))))
+                     eos_ids=tuple(sorted(set(int(e) for e in eos_ids))),
+                     prefill_prompts=tuple(
+                         len(distinct_prompts(tokens[s:s + rows], lengths[s:s + rows],
+                                              buckets)[0])
+                         for s in range(0, batch, rows)))
+
+
+def sorted_rows(prompts: Sequence[Sequence[int]], batch: int, prompt_len: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+  """The prompts padded into rows (tokens, lengths, live; see `pad_prompts`) in prefill
+  order, and that order: longest first, equal prompts adjacent (see `prefill`)."""
+  tokens, lengths, live = pad_prompts(prompts, batch, prompt_len)
+  order = np.lexsort((prompt_ids(tokens, lengths), -lengths))
+  return tokens[order], lengths[order], live[order], order
 
 
 def prefill(params: Params, tokens: np.ndarray, lengths: np.ndarray, live: np.ndarray,
@@ -310,12 +326,10 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
   plan = plan_rollout(prompts, max_new_tokens, config, buckets, spec, eos_ids, min_row_tokens)
   params = unstack_layers(params)
   batch, prompt_len, cache_len = plan.batch, plan.prompt_len, plan.cache_len
-  tokens, lengths, live = pad_prompts(prompts, batch, prompt_len)
+  tokens, lengths, live, order = sorted_rows(prompts, batch, prompt_len)
   row_caps = np.ones((batch,), np.int32)
   row_caps[:len(prompts)] = plan.caps
-  # Longest prompts first, equal prompts adjacent: see `prefill`.
-  order = np.lexsort((prompt_ids(tokens, lengths), -lengths))
-  tokens, lengths, live, row_caps = tokens[order], lengths[order], live[order], row_caps[order]
+  row_caps = row_caps[order]
   static = dict(config=config, sampling=sampling, eos_ids=plan.eos_ids,
                 max_new_tokens=plan.max_new_tokens, attention_impl=attention_impl)
   dtype = params["embed"].dtype

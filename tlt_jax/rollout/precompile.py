@@ -35,7 +35,8 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
                compact: bool = True, attention_impl: str = "auto",
                min_row_tokens: int = 0) -> int:
   """Compiles every program `generate` can dispatch with these arguments, for any prompts
-  that give the same rollout plan (batch bucket, padded prompt length, cache length).
+  that give the same rollout plan (batch bucket, padded prompt length, cache length,
+  distinct prompts per prefill group), whatever their lengths.
   Returns how many programs were new. A bandit's state is left untouched."""
   check_attention_impl(attention_impl)
   before = compiled_programs()
@@ -64,15 +65,16 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
       hidden_size=config.hidden_size)
   state = fresh_state()
   group_rows = buckets.prefill_group_rows(start)
-  for width in buckets.prompt_lengths(plan.prompt_len):   # any prefill group's padding
-    for count in buckets.distinct_prompt_counts(group_rows):
-      # A rollout's first group starts from a fresh state, the others from a prefilled one
-      # (committed to the device): jit keys those apart.
-      for start_from in (fresh_state(), state):
-        state = decode.prefill_rows(params, start_from, jnp.zeros((count, width), jnp.int32),
-                                    jnp.ones((count,), jnp.int32),
-                                    jnp.zeros((group_rows,), jnp.int32), jnp.int32(0),
-                                    rules=rules, **static)
+  # Any prefill group's padding; the first group starts from a fresh state, the others from
+  # a prefilled one (committed to the device): jit keys those apart.
+  first, rest = plan.prefill_prompts[0], set(plan.prefill_prompts[1:])
+  for width in buckets.prompt_lengths(plan.prompt_len):
+    for count, start_from in [(first, fresh_state())] + [(n, None) for n in sorted(rest)]:
+      state = decode.prefill_rows(params, start_from or state,
+                                  jnp.zeros((count, width), jnp.int32),
+                                  jnp.ones((count,), jnp.int32),
+                                  jnp.zeros((group_rows,), jnp.int32), jnp.int32(0),
+                                  rules=rules, **static)
   states = {start: state}
   _compact_pairs(states, batches)
   for b in batches:

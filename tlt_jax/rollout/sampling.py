@@ -31,6 +31,11 @@ class SamplingParams:
   def greedy(self) -> bool:
     return self.temperature == 0
 
+  @property
+  def logprob_temperature(self) -> float:
+    """What `policy_logprobs` divides the logits by: greedy reports raw (T=1) log-probs."""
+    return 1.0 if self.greedy else self.temperature
+
 
 def argmax(x: jax.Array) -> jax.Array:
   """First index of the maximum over the last axis, as int32 (what `jnp.argmax` gives for
@@ -54,8 +59,7 @@ def policy_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
   This is what an RL learner recomputes, so top-k/top-p (sampling-only transforms) are not
   applied; greedy decoding reports the raw (T=1) log-probs.
   """
-  scale = 1.0 if params.greedy else params.temperature
-  return jax.nn.log_softmax(logits.astype(jnp.float32) / scale, axis=-1)
+  return jax.nn.log_softmax(logits.astype(jnp.float32) / params.logprob_temperature, axis=-1)
 
 
 def processed_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
