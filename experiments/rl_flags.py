@@ -155,11 +155,13 @@ class Run:
     """`--precompile`: every program a step's rollout can dispatch, compiled now."""
     if not _PRECOMPILE.value:
       return
+    from tlt_jax.rl.learner import return_free_heap
     from tlt_jax.rl.rollout import precompile_rollouts
     print("precompiling the rollout's programs ...", file=sys.stderr)
     start = time.perf_counter()
     count = precompile_rollouts(self.learner.rollout_params, self.learner.config,
                                 _PROMPTS.value, _MAX_PROMPT_LEN.value, self.learner.rollout)
+    return_free_heap()
     print(f"precompiled {count} programs in {time.perf_counter() - start:.0f} s",
           file=sys.stderr)
 
