@@ -17,10 +17,11 @@ sides alternate at the granularity of whole runs: A B C A B C ..., --repeats rou
 dropped; the report has medians of the per-step phase times (rollout / reference / train /
 total) over the rest, peak RSS, paired per-round ratios of the project against the faster
 peer (the project runs with --precompile: its rollout programs compile before step 1, set-up
-time as the peers' model loads are), the CPU's jitted fp32 matmul throughput at training-like shapes (measured here, before
-and after the runs) and the project's train-phase FLOP rate (6 x params x trained tokens per
-second; the reference forward, 2 x params x tokens, beside it), so "train phase at >= 70% of
-the matmul throughput" can be read off. One JSON object on stdout (and in --output_json).
+time as the peers' model loads are), the CPU's jitted fp32 matmul throughput at
+training-like shapes (measured here, before and after the runs) and the project's
+train-phase FLOP rate (6 x params x trained tokens per second; the reference forward,
+2 x params x tokens, beside it), so "train phase at >= 70% of the matmul throughput" can be
+read off. One JSON object on stdout (and in --output_json).
 """
 from __future__ import annotations
 

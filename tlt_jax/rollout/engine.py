@@ -206,14 +206,11 @@ def plan_rollout(prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequenc
   longest_row = max(min_row_tokens, *(len(p) + int(cap) for p, cap in zip(prompts, caps)))
   batch = buckets.batch_bucket(len(prompts))
   tokens, lengths, _, _ = sorted_rows(prompts, batch, prompt_len)
-  rows = buckets.prefill_group_rows(batch)
   return RolloutPlan(caps=tuple(int(c) for c in caps), batch=batch, prompt_len=prompt_len,
                      cache_len=buckets.cache_length(max(prompt_len, longest_row + margin)),
                      eos_ids=tuple(sorted(set(int(e) for e in eos_ids))),
-                     prefill_prompts=tuple(
-                         len(distinct_prompts(tokens[s:s + rows], lengths[s:s + rows],
-                                              buckets)[0])
-                         for s in range(0, batch, rows)))
+                     prefill_prompts=tuple(len(picked) for _, _, picked, _
+                                           in prefill_groups(tokens, lengths, buckets)))
 
 
 def sorted_rows(prompts: Sequence[Sequence[int]], batch: int, prompt_len: int
@@ -235,15 +232,21 @@ def prefill(params: Params, tokens: np.ndarray, lengths: np.ndarray, live: np.nd
   state = decode.empty_state(cache, jnp.asarray(caps), jnp.asarray(live), key,
                              max_new_tokens=static["max_new_tokens"], keep_hidden=keep_hidden,
                              hidden_size=config.hidden_size)
+  for group, width, picked, sources in prefill_groups(tokens, lengths, buckets):
+    state = decode.prefill_rows(params, state, jnp.asarray(tokens[group][picked, :width]),
+                                jnp.asarray(lengths[group][picked]), jnp.asarray(sources),
+                                jnp.int32(group.start), config=config, rules=rules, **static)
+  return state
+
+
+def prefill_groups(tokens: np.ndarray, lengths: np.ndarray, buckets: BucketSpec):
+  """The prefill groups of sorted, padded rows: (rows slice, padded width, the rows it runs
+  and each row's index into them; see `distinct_prompts`) per group."""
   rows = buckets.prefill_group_rows(len(lengths))
   for start in range(0, len(lengths), rows):
     group = slice(start, start + rows)
-    width = buckets.prompt_length(int(lengths[group].max()))
-    picked, sources = distinct_prompts(tokens[group], lengths[group], buckets)
-    state = decode.prefill_rows(params, state, jnp.asarray(tokens[group][picked, :width]),
-                                jnp.asarray(lengths[group][picked]), jnp.asarray(sources),
-                                jnp.int32(start), config=config, rules=rules, **static)
-  return state
+    yield (group, buckets.prompt_length(int(lengths[group].max())),
+           *distinct_prompts(tokens[group], lengths[group], buckets))
 
 
 def prompt_ids(tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:

@@ -63,18 +63,16 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
       jnp.ones((start,), jnp.int32), jnp.zeros((start,), bool), jax.random.key(0),
       max_new_tokens=plan.max_new_tokens, keep_hidden=spec is not None,
       hidden_size=config.hidden_size)
-  state = fresh_state()
   group_rows = buckets.prefill_group_rows(start)
-  # Any prefill group's padding; the first group starts from a fresh state, the others from
-  # a prefilled one (committed to the device): jit keys those apart.
-  first, rest = plan.prefill_prompts[0], set(plan.prefill_prompts[1:])
-  for width in buckets.prompt_lengths(plan.prompt_len):
-    for count, start_from in [(first, fresh_state())] + [(n, None) for n in sorted(rest)]:
-      state = decode.prefill_rows(params, start_from or state,
-                                  jnp.zeros((count, width), jnp.int32),
-                                  jnp.ones((count,), jnp.int32),
-                                  jnp.zeros((group_rows,), jnp.int32), jnp.int32(0),
-                                  rules=rules, **static)
+  prefill = lambda state, count, width: decode.prefill_rows(
+      params, state, jnp.zeros((count, width), jnp.int32), jnp.ones((count,), jnp.int32),
+      jnp.zeros((group_rows,), jnp.int32), jnp.int32(0), rules=rules, **static)
+  for width in buckets.prompt_lengths(plan.prompt_len):   # any prefill group's padding
+    # A rollout's first group starts from a fresh state, the others from a prefilled one
+    # (committed to the device): jit keys those apart.
+    state = prefill(fresh_state(), plan.prefill_prompts[0], width)
+    for count in sorted(set(plan.prefill_prompts[1:])):
+      state = prefill(state, count, width)
   states = {start: state}
   _compact_pairs(states, batches)
   for b in batches:
