@@ -1,5 +1,6 @@
 """BEG-MAB: per-bucket epsilon-greedy choice of the SD strategy (the engine switching
 strategies mid-rollout is tested with the other SD exactness tests, test_speculative)."""
+import itertools
 import json
 
 import pytest
@@ -27,6 +28,26 @@ def test_tries_every_strategy_then_exploits_the_best():
   assert set(chosen[3:]) == {"4_1_5"}
 
 
+def test_fastest_arm_per_row_wins_a_shrinking_tail_from_any_list_position():
+  """Inside a bucket a chunk's throughput grows with its live rows, and the untried arms
+  are played in list order while the tail shrinks, so the first-listed arm is measured at
+  the most rows. Scored per live row, the arm that is fastest per row at every row count
+  wins wherever it is listed."""
+  # Simulated chunks: a fixed step latency per arm plus a small cost per row.
+  accept_len = {"2_1_3": 2.0, "4_1_5": 2.6, "3_2_5": 2.8}
+  latency_s = {"2_1_3": 0.030, "4_1_5": 0.045, "3_2_5": 0.035}
+  tail = (20, 17, 14, 12, 10, 9, 8, 7, 6, 5)        # live rows per chunk, all in 5-20
+  for pool in itertools.permutations(POOL):
+    bandit = StrategyBandit(BanditConfig(pool, epsilon=0.0))
+    chosen = []
+    for rows in tail:
+      strategy = bandit.choose(rows)
+      step_s = latency_s[strategy.name] + 2e-4 * rows
+      bandit.record(rows, strategy, rows * accept_len[strategy.name] / step_s)
+      chosen.append(strategy.name)
+    assert set(chosen[len(pool):]) == {"3_2_5"}, ([s.name for s in pool], chosen)
+
+
 def test_epsilon_explores_at_its_rate():
   bandit = StrategyBandit(BanditConfig(POOL, epsilon=0.3, seed=7))
   rewards = {"2_1_3": 10.0, "4_1_5": 30.0, "3_2_5": 20.0}
@@ -45,7 +66,7 @@ def test_buckets_learn_apart():
   assert bandit.choose(3).name == "2_1_3"       # bucket 2-4 untried: starts at the first
   summary = bandit.summary()
   assert set(summary) == {"1", "5-20"}
-  assert summary["1"]["4_1_5"] == {"pulls": 8, "median_tokens_per_s": 9.0}
+  assert summary["1"]["4_1_5"] == {"pulls": 8, "median_tokens_per_s_per_row": 9.0}
 
 
 def test_sliding_window_follows_a_changing_drafter():

@@ -323,7 +323,7 @@ def test_engine_switches_strategies_losslessly_within_its_programs():
   assert [o.token_ids for o in again.outputs] == [o.token_ids for o in sd.outputs]
   # Chunks that ran compiled programs were measured: the bandit holds rewards.
   pulls = sum(arm["pulls"] for arms in bandit.summary().values() for arm in arms.values())
-  assert pulls > 0 and all(arm["median_tokens_per_s"] > 0
+  assert pulls > 0 and all(arm["median_tokens_per_s_per_row"] > 0
                            for arms in again.stats["spec/bandit"].values()
                            for arm in arms.values())
 

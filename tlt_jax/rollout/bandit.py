@@ -7,7 +7,10 @@ instead of guessing: live batch sizes fall into buckets (default {1}, {2-4}, {5-
 {21+}), each bucket keeps a sliding window of rewards per strategy, and before every SD
 chunk the bandit plays the strategy with the best median reward, or with probability
 epsilon a random one. Untried strategies are played first. The reward is a chunk's
-emitted tokens per second of wall time (mean accept length x live rows / step time).
+emitted tokens per second of wall time per live row (mean accept length / step time):
+throughput grows with the live rows inside a bucket, and the untried strategies are played
+in list order while the tail shrinks, so raw tokens per second would favour whichever
+strategy came first. Per row, strategies measured at different live rows compare.
 
 The bandit is host-side state that outlives one rollout (it keeps learning across RL
 steps); `state_dict` / `from_state_dict` carry it through a checkpoint, RNG included.
@@ -84,29 +87,32 @@ class StrategyBandit:
       arm = int(np.argmax([np.median(window) for window in rewards]))
     return self.config.strategies[arm]
 
-  def record(self, live_rows: int, strategy: SpecStrategy, reward: float) -> None:
+  def record(self, live_rows: int, strategy: SpecStrategy, tokens_per_s: float) -> None:
+    """Scores a chunk played at `live_rows` that emitted `tokens_per_s` (all rows)."""
     bucket = self.config.bucket(live_rows)
     arm = self.config.strategies.index(strategy)
-    self._rewards[bucket][arm].append(float(reward))
+    self._rewards[bucket][arm].append(float(tokens_per_s) / live_rows)
     self._pulls[bucket, arm] += 1
 
   def summary(self) -> dict[str, dict[str, dict[str, float]]]:
-    """Per bucket (label) and strategy: pulls and median reward (tokens/s), tried ones only."""
+    """Per bucket (label) and strategy: pulls and median reward, tried ones only."""
     out = {}
     for bucket, rewards in enumerate(self._rewards):
       arms = {s.name: {"pulls": int(self._pulls[bucket, i]),
-                       "median_tokens_per_s": float(np.median(window))}
+                       "median_tokens_per_s_per_row": float(np.median(window))}
               for i, (s, window) in enumerate(zip(self.config.strategies, rewards)) if window}
       if arms:
         out[self.config.bucket_label(bucket)] = arms
     return out
 
   def state_dict(self) -> dict[str, Any]:
-    """JSON-serializable state: rewards, pulls and the RNG, keyed by strategy name."""
+    """JSON-serializable state: rewards, pulls and the RNG, keyed by strategy name. The
+    rewards' key names their unit, so a state scored otherwise (tokens/s of all rows) is
+    refused rather than compared with per-row rewards."""
     names = [s.name for s in self.config.strategies]
     return {"strategies": names,
             "bucket_bounds": list(self.config.bucket_bounds),
-            "rewards": [[list(window) for window in bucket] for bucket in self._rewards],
+            "rewards_per_row": [[list(window) for window in bucket] for bucket in self._rewards],
             "pulls": self._pulls.tolist(),
             "rng": self._rng.bit_generator.state}
 
@@ -122,7 +128,7 @@ class StrategyBandit:
           f"{state.get('bucket_bounds')}, not {names} and {list(config.bucket_bounds)}")
     bandit = cls(config)
     try:
-      rewards, pulls = state["rewards"], np.asarray(state["pulls"], np.int64)
+      rewards, pulls = state["rewards_per_row"], np.asarray(state["pulls"], np.int64)
       if len(rewards) != len(bandit._rewards) or pulls.shape != bandit._pulls.shape or any(
           len(saved) != len(names) for saved in rewards):
         raise ValueError("rewards/pulls do not match the buckets and strategies")
