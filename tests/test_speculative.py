@@ -354,8 +354,8 @@ def _sampled_tree_depths(rate_first, rate_rest, strategy):
   state = speculative.SpecState(
       base=None, draft_cache=cache, pend_tokens=jnp.ones((b, width), jnp.int32),
       pend_hidden=jax.random.normal(jax.random.key(0), (b, width, config.hidden_size)),
-      pend_count=zeros + 1, spec_steps=zeros, spec_tokens=zeros, rank_tries=tries,
-      rank_accepts=accepts)
+      pend_count=zeros + 1, spec_steps=zeros, spec_tokens=zeros,
+      rank_tries={strategy.name: tries}, rank_accepts={strategy.name: accepts})
   grown = speculative._grow_tree(jax.random.key(1), params, drafter,
                                  draft_head(params, config, None), None, config, strategy,
                                  SamplingParams(temperature=1.0), "reference", state)
@@ -373,3 +373,45 @@ def test_sampled_tree_shape_follows_the_rows_acceptance():
   wide = _sampled_tree_depths(0.1, 0.1, strategy)
   assert np.all(deep.max(axis=1) == 4)
   np.testing.assert_array_equal(np.sort(wide, axis=1), [[0, 1, 1, 1, 2, 2, 2]] * 2)
+
+
+def test_each_strategy_fits_its_tree_shape_to_its_own_draws():
+  """A chain drawn at the sampling temperature and a tree drawn at 0.7 of it, of other
+  depths, accept at their own rates: one strategy's draws must leave the rank statistics
+  that shape another's trees as they were. Under sampling a tree's node scores depend on
+  those statistics alone, so they show which counts a strategy reads."""
+  from tlt_jax.models.drafter import draft_head
+  from tlt_jax.models.kv_cache import init_cache
+  from tlt_jax.rollout import engine, speculative
+  from tlt_jax.rollout.buckets import BucketSpec
+  config, params, drafter = _model(50, seed=3)
+  params = transformer.unstack_layers(params)
+  chain, tree = parse_strategies("4_1_5,3_2_5")
+  spec = SpecConfig(drafter=drafter, bandit=StrategyBandit(BanditConfig((chain, tree))),
+                    draft_temperature_ratio=0.7)
+  static = dict(sampling=SamplingParams(temperature=1.0), eos_ids=(), max_new_tokens=40,
+                attention_impl="reference")
+  prompts = _prompts(50, (5, 9, 3, 7))
+  plan = engine.plan_rollout(prompts, 40, config, BucketSpec(), spec, ())
+  tokens, lengths, live, _ = engine.sorted_rows(prompts, plan.batch, plan.prompt_len)
+  state = engine.prefill(params, tokens, lengths, live, np.full((plan.batch,), 40, np.int32),
+                         init_cache(config, plan.batch, plan.cache_len, per_layer=True),
+                         jax.random.key(0), buckets=BucketSpec(), keep_hidden=True, rules=None,
+                         config=config, **static)
+  state = engine.switch_to_speculation(params, config, spec, state, plan, "reference")
+  head = draft_head(params, config, None)
+  tree_scores = lambda state, strategy: np.asarray(speculative._grow_tree(
+      jax.random.key(1), params, drafter, head, None, config, strategy, static["sampling"],
+      "reference", state)[3])
+  play = lambda state, strategy: speculative.spec_chunk(
+      params, drafter, head, None, state, config=config, strategy=strategy, chunk_steps=4,
+      draft_temperature_ratio=spec.draft_temperature_ratio, **static)
+
+  prior = {s: tree_scores(state, s) for s in (chain, tree)}
+  state = play(state, chain)
+  after_chain = {s: tree_scores(state, s) for s in (chain, tree)}
+  assert not np.allclose(after_chain[chain], prior[chain])     # the chain learned
+  np.testing.assert_array_equal(after_chain[tree], prior[tree])
+  state = play(state, tree)
+  assert not np.allclose(tree_scores(state, tree), prior[tree])
+  np.testing.assert_array_equal(tree_scores(state, chain), after_chain[chain])

@@ -308,9 +308,8 @@ def switch_to_speculation(params: Params, config: ModelConfig, spec: SpecConfig,
     # that is expected here. Donating them apart instead crashed XLA's CPU compiler.
     warnings.filterwarnings("ignore", "Some donated buffers were not usable", UserWarning)
     return speculative.start_speculation(
-        params, spec.drafter, state, draft_cache, config=config,
-        pend_width=speculative.pending_width(spec.strategies),
-        rank_shape=speculative.rank_stats_shape(spec.strategies), attention_impl=attention_impl)
+        params, spec.drafter, state, draft_cache, config=config, strategies=spec.strategies,
+        attention_impl=attention_impl)
 
 
 def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int]], *,

@@ -55,20 +55,17 @@ class SpecState:
   spec_steps: jax.Array      # [B] verify steps taken while live
   spec_tokens: jax.Array     # [B] tokens emitted by those steps
   # Sampled trees only: how often the walk tried / accepted a child, by its level and draw
-  # rank, [B, max depth, max topk], prior pseudo-counts included (see `_rank_scores`).
-  rank_tries: jax.Array
-  rank_accepts: jax.Array
+  # rank, prior pseudo-counts included (see `_rank_scores`). One [B, depth, topk] count per
+  # strategy (by name): chains and trees of other depths and draw temperatures accept at
+  # their own rates, so pooled counts would fit every tree to a mixture.
+  rank_tries: dict[str, jax.Array]
+  rank_accepts: dict[str, jax.Array]
 
 
 def pending_width(strategies: Sequence[SpecStrategy]) -> int:
   """Width of the pending (accepted, not yet drafted-on) pairs: the most any of the
   strategies a rollout may switch between can accept in one step, plus the bonus."""
   return max(s.depth for s in strategies) + 1
-
-
-def rank_stats_shape(strategies: Sequence[SpecStrategy]) -> tuple[int, int]:
-  """(levels, ranks) of the per-row acceptance statistics, wide enough for every strategy."""
-  return max(s.depth for s in strategies), max(s.topk for s in strategies)
 
 
 # Before any verify step, every draw is taken to be accepted half the times it is tried,
@@ -83,15 +80,15 @@ def cache_margin(strategies: Sequence[SpecStrategy]) -> int:
   return max(max(s.verify_tokens, s.num_nodes + width) for s in strategies)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "pend_width", "rank_shape",
-                                             "attention_impl"),
+@functools.partial(jax.jit, static_argnames=("config", "strategies", "attention_impl"),
                    donate_argnames=("base", "draft_cache"))
 def start_speculation(params: Params, drafter: DrafterParams, base: DecodeState,
-                      draft_cache: KVCache, *, config: ModelConfig, pend_width: int,
-                      rank_shape: tuple[int, int], attention_impl: str = "auto") -> SpecState:
+                      draft_cache: KVCache, *, config: ModelConfig,
+                      strategies: tuple[SpecStrategy, ...], attention_impl: str = "auto"
+                      ) -> SpecState:
   """Drafter prefill over each row's existing context (slots 0..L-2), leaving the pair
-  (h_{L-1}, x_L) pending. pend_width and rank_shape: `pending_width` and
-  `rank_stats_shape` of the strategies the rollout uses."""
+  (h_{L-1}, x_L) pending. strategies: those the rollout may switch between."""
+  pend_width = pending_width(strategies)
   lengths = base.cache.lengths
   b, s = base.history.shape
   tokens = jnp.concatenate([base.history[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
@@ -104,6 +101,7 @@ def start_speculation(params: Params, drafter: DrafterParams, base: DecodeState,
   pend_hidden = jnp.zeros((b, pend_width, config.hidden_size), base.hidden_buf.dtype)
   pend_hidden = pend_hidden.at[:, 0].set(base.hidden_buf[rows, lengths - 1])
   zeros = jnp.zeros((b,), jnp.int32)
+  counts = lambda prior: {s.name: jnp.full((b, s.depth, s.topk), prior) for s in strategies}
   # The kept tokens and hidden states have served their one purpose (this drafter prefill).
   # Recording them on in the SD loop costs a copy of loop state per step (~10 ms of a 36 ms
   # depth-1 step on CPU, measured), so speculation runs without them.
@@ -111,8 +109,7 @@ def start_speculation(params: Params, drafter: DrafterParams, base: DecodeState,
   return SpecState(base=base, draft_cache=draft_cache.replace(lengths=lengths - 1),
                    pend_tokens=pend_tokens, pend_hidden=pend_hidden,
                    pend_count=jnp.ones((b,), jnp.int32), spec_steps=zeros, spec_tokens=zeros,
-                   rank_tries=jnp.full((b,) + rank_shape, _PRIOR_TRIES),
-                   rank_accepts=jnp.full((b,) + rank_shape, _PRIOR_ACCEPTS))
+                   rank_tries=counts(_PRIOR_TRIES), rank_accepts=counts(_PRIOR_ACCEPTS))
 
 
 def _rank_scores(tries: jax.Array, accepts: jax.Array) -> jax.Array:
@@ -175,7 +172,8 @@ def _grow_tree(key, params, drafter, head, vocab_ids, config, strategy, sampling
   committed = cache.lengths
   rows = jnp.arange(b)
   root_hidden = hidden[rows, state.pend_count - 1]
-  rank_scores = _rank_scores(state.rank_tries, state.rank_accepts)      # [B, levels, ranks]
+  rank_scores = _rank_scores(state.rank_tries[strategy.name],
+                             state.rank_accepts[strategy.name])       # [B, depth, topk]
   scores, ix, q = _propose(keys[0], draft_logits(head, root_hidden), k, sampling,
                            rank_scores[:, 0])
   draft_probs = [None if q is None else q[:, None]]
@@ -277,14 +275,14 @@ def _accept_sampled(key, logits, tokens, parents, sel, draft_probs, vocab_ids, s
   return recursive_rejection(key, p, q, tokens, parents, strategy.depth, strategy.topk)
 
 
-def _count_ranks(state: SpecState, tries: jax.Array, accepts: jax.Array, live: jax.Array
-                 ) -> SpecState:
-  """Adds one step's [B, depth, topk] try / accept counts of live rows to the statistics."""
-  levels, ranks = state.rank_tries.shape[1:]
-  pad = lambda x: jnp.pad(jnp.where(live[:, None, None], x, 0),
-                          ((0, 0), (0, levels - x.shape[1]), (0, ranks - x.shape[2])))
-  return state.replace(rank_tries=state.rank_tries + pad(tries),
-                       rank_accepts=state.rank_accepts + pad(accepts))
+def _count_ranks(state: SpecState, strategy: SpecStrategy, tries: jax.Array,
+                 accepts: jax.Array, live: jax.Array) -> SpecState:
+  """Adds one step's [B, depth, topk] try / accept counts of live rows to the statistics
+  of the strategy that drew them."""
+  add = lambda counts, x: {**counts, strategy.name: counts[strategy.name]
+                           + jnp.where(live[:, None, None], x, 0)}
+  return state.replace(rank_tries=add(state.rank_tries, tries),
+                       rank_accepts=add(state.rank_accepts, accepts))
 
 
 def spec_step(params: Params, drafter: DrafterParams, head: jax.Array,
@@ -320,7 +318,7 @@ def spec_step(params: Params, drafter: DrafterParams, head: jax.Array,
   else:
     num_accepted, path, emitted, tries, accepts = _accept_sampled(
         accept_key, logits, tokens, parents, sel, draft_probs, vocab_ids, strategy, sampling)
-    state = _count_ranks(state, tries, accepts, live)
+    state = _count_ranks(state, strategy, tries, accepts, live)
   in_path = jnp.arange(depth + 1)[None, :] <= num_accepted[:, None]
 
   # Only the path's K/V enter the cache, in consecutive slots (the rest of the tree is
