@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.kv_cache import KVCache
 from tlt_jax.models.transformer import Params, forward, forward_new_kv, lm_logits
-from tlt_jax.rollout.sampling import SamplingParams, policy_logprobs, sample
+from tlt_jax.rollout.sampling import SamplingParams, policy_logprob_of, sample
 from tlt_jax.sharding.rules import MeshRules
 
 
@@ -70,8 +70,7 @@ def emit(state: DecodeState, tokens, logprobs, live, eos_ids, max_new_tokens) ->
 
 def sample_and_score(key, logits, sampling):
   tokens = sample(key, logits, sampling)
-  logprobs = jnp.take_along_axis(policy_logprobs(logits, sampling), tokens[:, None], axis=-1)
-  return tokens, logprobs[:, 0]
+  return tokens, policy_logprob_of(logits, tokens, sampling)
 
 
 def empty_state(cache: KVCache, caps: jax.Array, live: jax.Array, key: jax.Array, *,

@@ -47,10 +47,40 @@ def argmax(x: jax.Array) -> jax.Array:
   return jnp.min(jnp.where(x == top, index, x.shape[-1]), axis=-1)
 
 
+# Tokens per block of the inverse-CDF draw: the row's mass is summed per block, so a draw
+# reads the logits once and then one block.
+_CDF_BLOCK = 256
+
+
 def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
-  """One draw per row of logits [..., V] (Gumbel-max, like `jax.random.categorical`, with
-  the fast `argmax`)."""
-  return argmax(logits + jax.random.gumbel(key, logits.shape, jnp.float32))
+  """One draw per row of logits [..., V] (unnormalized; -inf never drawn), by inverse CDF
+  from one uniform per row: the uniform picks a block of `_CDF_BLOCK` tokens by the
+  blocks' cumulative mass, then a token inside it. Gumbel-max, as `jax.random.categorical`
+  does it, needs V random numbers per row, which dominated sampling on CPU."""
+  pad = -logits.shape[-1] % _CDF_BLOCK
+  weights = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+  weights = jnp.pad(weights, [(0, 0)] * (logits.ndim - 1) + [(0, pad)])
+  blocks = weights.reshape(*weights.shape[:-1], -1, _CDF_BLOCK)
+  block_mass = jnp.sum(blocks, axis=-1)
+  block_cdf = jnp.cumsum(block_mass, axis=-1)
+  target = jax.random.uniform(key, logits.shape[:-1]) * block_cdf[..., -1]
+  block = _first_past(block_cdf, block_mass, target)
+  within = jnp.take_along_axis(blocks, block[..., None, None], axis=-2)[..., 0, :]
+  mass_before = (jnp.take_along_axis(block_cdf, block[..., None], axis=-1)
+                 - jnp.take_along_axis(block_mass, block[..., None], axis=-1))[..., 0]
+  token = _first_past(jnp.cumsum(within, axis=-1), within, target - mass_before)
+  return block * _CDF_BLOCK + token
+
+
+def _first_past(cdf: jax.Array, mass: jax.Array, target: jax.Array) -> jax.Array:
+  """The first index whose cumulative mass exceeds `target` among those with mass; the last
+  one with mass when rounding puts `target` at or past the end."""
+  index = jax.lax.broadcasted_iota(jnp.int32, cdf.shape, cdf.ndim - 1)
+  size = cdf.shape[-1]
+  has_mass = mass > 0
+  first = jnp.min(jnp.where((cdf > target[..., None]) & has_mass, index, size), axis=-1)
+  last = jnp.max(jnp.where(has_mass, index, -1), axis=-1)
+  return jnp.where(first == size, last, first)
 
 
 def policy_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
@@ -84,8 +114,19 @@ def processed_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
   return jax.nn.log_softmax(logits, axis=-1)
 
 
+def policy_logprob_of(logits: jax.Array, tokens: jax.Array, params: SamplingParams
+                      ) -> jax.Array:
+  """`policy_logprobs(logits, params)` at `tokens` [...], without writing out the whole
+  distribution."""
+  scaled = logits.astype(jnp.float32) / params.logprob_temperature
+  picked = jnp.take_along_axis(scaled, tokens[..., None], axis=-1)[..., 0]
+  return picked - jax.nn.logsumexp(scaled, axis=-1)
+
+
 def sample(key: jax.Array, logits: jax.Array, params: SamplingParams) -> jax.Array:
   """Draws one token per row of logits [..., V] from the processed distribution."""
   if params.greedy:
     return argmax(logits)
+  if params.top_k == 0 and params.top_p == 1.0:   # nothing to truncate: no normalizing pass
+    return categorical(key, logits.astype(jnp.float32) / params.temperature)
   return categorical(key, processed_logprobs(logits, params))
