@@ -144,6 +144,66 @@ def test_switching_to_speculation_warns_nothing():
   assert result.stats["compile/new_programs"] > 0 and result.stats["spec/verify_steps"] > 0
 
 
+def _equations(jaxpr):
+  """Every equation of a jaxpr, those of its sub-jaxprs (jit, scan, ...) included."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          yield from _equations(sub)
+
+
+@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+def test_drafter_prefill_at_the_switch_runs_only_the_live_context():
+  """Rows of 9 and 24 tokens in a 512-slot cache: the drafter prefill at the SD switch runs
+  a 32-slot bucket (no matmul of the program spans the cache), and leaves the drafter state
+  that a prefill over the whole cache left."""
+  from tlt_jax.models.drafter import drafter_forward, init_drafter_cache
+  from tlt_jax.models.kv_cache import init_cache
+  from tlt_jax.rollout import decode, speculative
+  config, params, drafter = _model(97, seed=9)
+  b, cache_len, prefill_len = 2, 512, 32
+  static = dict(config=config, sampling=GREEDY, eos_ids=(), max_new_tokens=8)
+  state = decode.empty_state(init_cache(config, b, cache_len), jnp.full((b,), 8),
+                             jnp.ones((b,), bool), jax.random.key(0), max_new_tokens=8,
+                             keep_hidden=True, hidden_size=config.hidden_size)
+  prompts = np.zeros((b, 24), np.int32)
+  for row, prompt in enumerate(_prompts(97, (5, 20), seed=3)):
+    prompts[row, :len(prompt)] = prompt
+  state = decode.prefill_rows(params, state, jnp.asarray(prompts), jnp.array([5, 20]),
+                              jnp.arange(b), jnp.int32(0), **static)
+  state = decode.decode_chunk(params, state, chunk_steps=4, **static)
+  lengths = np.asarray(state.cache.lengths)
+  assert lengths.tolist() == [9, 24]
+
+  # The whole-cache prefill: slot j consumes (h_j, x_{j+1}) at position j, j < cache_len.
+  tokens = jnp.concatenate([state.history[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
+  _, want = drafter_forward(drafter, params, config, tokens, state.hidden_buf,
+                            jnp.broadcast_to(jnp.arange(cache_len), (b, cache_len)),
+                            init_drafter_cache(config, b, cache_len))
+  want_hidden = np.asarray(state.hidden_buf)[np.arange(b), lengths - 1]
+  last_tokens = np.asarray(state.last_tokens)
+
+  start = lambda state, cache: speculative.start_speculation(
+      params, drafter, state, cache, config=config, strategies=(SpecStrategy.parse("2_1_3"),),
+      prefill_len=prefill_len)
+  jaxpr = jax.make_jaxpr(start)(state, init_drafter_cache(config, b, cache_len)).jaxpr
+  dots = [eqn.outvars[0].aval.shape for eqn in _equations(jaxpr)
+          if eqn.primitive.name == "dot_general"]
+  assert dots and all(cache_len not in shape for shape in dots), dots
+
+  got = start(state, init_drafter_cache(config, b, cache_len))
+  np.testing.assert_array_equal(got.draft_cache.lengths, lengths - 1)
+  for row, length in enumerate(lengths):
+    for got_buf, want_buf in ((got.draft_cache.k, want.k), (got.draft_cache.v, want.v)):
+      np.testing.assert_allclose(got_buf[0, row, :, :length - 1],
+                                 want_buf[0, row, :, :length - 1], atol=1e-5)
+  np.testing.assert_array_equal(got.pend_tokens[:, 0], last_tokens)
+  np.testing.assert_array_equal(got.pend_hidden[:, 0], want_hidden)
+
+
 def _first_tokens(params, config, spec, seed, sampling, rows=256, n=3):
   result = generate(params, config, [[1, 2, 3]] * rows, max_new_tokens=n, sampling=sampling,
                     seed=seed, spec=spec)

@@ -49,12 +49,27 @@ def drafter_forward(drafter: DrafterParams, target: transformer.Params, config: 
                     tokens: jax.Array, hidden: jax.Array, positions: jax.Array, cache: KVCache,
                     new_mask: jax.Array | None = None, cache_mask: jax.Array | None = None,
                     attention_impl: str = "auto") -> tuple[jax.Array, KVCache]:
-  """tokens [B, T] (x_{j+1}) and hidden [B, T, E] (h_j) -> predicted h_{j+1} [B, T, E]."""
+  """tokens [B, T] (x_{j+1}) and hidden [B, T, E] (h_j) -> predicted h_{j+1} [B, T, E], and
+  the cache with the new K/V written at `cache.lengths + arange(T)`."""
+  x, new_k, new_v = drafter_forward_new_kv(drafter, target, config, tokens, hidden, positions,
+                                           cache, new_mask, cache_mask, attention_impl)
+  return x, cache.write_after_committed(new_k, new_v)
+
+
+def drafter_forward_new_kv(drafter: DrafterParams, target: transformer.Params,
+                           config: ModelConfig, tokens: jax.Array, hidden: jax.Array,
+                           positions: jax.Array, cache: KVCache,
+                           new_mask: jax.Array | None = None,
+                           cache_mask: jax.Array | None = None, attention_impl: str = "auto"
+                           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Like `drafter_forward`, but the cache is only read: returns the new K/V as
+  [1, B, T, K, D] (a prefill writes them into a cache it did not attend over)."""
   embedded = transformer.embed_tokens(target, tokens).astype(drafter["fc"].dtype)
   x = jnp.concatenate([embedded, hidden.astype(embedded.dtype)], axis=-1) @ drafter["fc"]
   x = x + drafter["fc_bias"]
-  return transformer.run_layers(drafter["layers"], drafter_layer_config(config), x, positions,
-                                cache, new_mask, None, cache_mask, attention_impl)
+  return transformer.run_layers_new_kv(drafter["layers"], drafter_layer_config(config), x,
+                                       positions, cache, new_mask, None, cache_mask,
+                                       attention_impl)
 
 
 def draft_head(target: transformer.Params, config: ModelConfig,

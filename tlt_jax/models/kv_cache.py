@@ -97,6 +97,21 @@ class KVCache:
       slots = slots + jnp.minimum(flag, 0)
     return self.write(slots, new_k, new_v)
 
+  def without_slots(self, rows: int) -> "KVCache":
+    """`rows` rows with no slots, for a prefill: its tokens attend among themselves alone
+    instead of scoring every empty (masked) slot as well."""
+    return self.map(lambda buf: buf[:, :rows, :, :0]).replace(
+        lengths=jnp.zeros((rows,), jnp.int32))
+
+  def write_prefix(self, new_k: jax.Array, new_v: jax.Array, row_start: jax.Array | int = 0,
+                   sources: jax.Array | None = None) -> "KVCache":
+    """Writes a prefill's new K/V [L, U, T, K, D] at slots 0..T-1 of rows row_start..:
+    row row_start + i gets new row sources[i] (default i). Lengths are unchanged."""
+    take = (lambda new: new) if sources is None else (lambda new: new[:, sources])
+    put = lambda buf, new: jax.lax.dynamic_update_slice(
+        buf, take(new).transpose(0, 1, 3, 2, 4).astype(buf.dtype), (0, row_start, 0, 0, 0))
+    return self.map(put, new_k, new_v)
+
   def window(self, length: int) -> "KVCache":
     """The first `length` slots of every row: attention over a short context then costs
     what the context needs, not what the longest possible row needs."""

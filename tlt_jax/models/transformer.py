@@ -190,16 +190,6 @@ def run_layers_new_kv(layers: Params, config: ModelConfig, x: jax.Array, positio
   return x, jnp.stack([k for k, _ in new]), jnp.stack([v for _, v in new])
 
 
-def run_layers(layers: Params, config: ModelConfig, x: jax.Array, positions: jax.Array,
-               cache: KVCache, new_mask: jax.Array | None = None,
-               rules: MeshRules | None = None, cache_mask: jax.Array | None = None,
-               attention_impl: str = "auto") -> tuple[jax.Array, KVCache]:
-  """`run_layers_new_kv`, then the new K/V written at `cache.lengths + arange(T)`."""
-  x, new_k, new_v = run_layers_new_kv(layers, config, x, positions, cache, new_mask, rules,
-                                      cache_mask, attention_impl)
-  return x, cache.write_after_committed(new_k, new_v)
-
-
 def forward_new_kv(params: Params, config: ModelConfig, tokens: jax.Array,
                    positions: jax.Array, cache: KVCache, new_mask: jax.Array | None = None,
                    rules: MeshRules | None = None, attention_impl: str = "auto"

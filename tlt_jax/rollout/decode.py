@@ -114,17 +114,13 @@ def prefill_rows(params: Params, state: DecodeState, tokens: jax.Array, lengths:
   # cache slot as well took a third of a 16-row, 192-token prefill with a 1024-slot cache
   # on CPU.
   u = tokens.shape[0]
-  empty = state.cache.map(lambda buf: buf[:, :u, :, :0]).replace(
-      lengths=jnp.zeros((u,), jnp.int32))
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (u, t))
-  hidden, new_k, new_v = forward_new_kv(params, config, tokens, positions, empty, None, rules,
-                                        attention_impl)
+  hidden, new_k, new_v = forward_new_kv(params, config, tokens, positions,
+                                        state.cache.without_slots(u), None, rules, attention_impl)
   tokens, positions, hidden, lengths = (x[sources] for x in (tokens, positions, hidden, lengths))
-  # new K/V [L, U, T, K, D] -> rows row_start.. at slots 0..T-1 of the cache ([L, B, K, S, D]).
-  put = lambda buf, new: jax.lax.dynamic_update_slice(
-      buf, new[:, sources].transpose(0, 1, 3, 2, 4).astype(buf.dtype), (0, row_start, 0, 0, 0))
-  cache = state.cache.map(put, new_k, new_v).replace(lengths=jax.lax.dynamic_update_slice(
-      state.cache.lengths, lengths.astype(jnp.int32), (row_start,)))
+  cache = state.cache.write_prefix(new_k, new_v, row_start, sources).replace(
+      lengths=jax.lax.dynamic_update_slice(state.cache.lengths, lengths.astype(jnp.int32),
+                                           (row_start,)))
   last_hidden = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
   key, sub = jax.random.split(state.key)
   first, first_logprob = sample_and_score(sub, lm_logits(params, config, last_hidden, rules),

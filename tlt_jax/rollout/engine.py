@@ -297,9 +297,10 @@ def chunk_window(longest_live: int, chunk_steps: int, spec: SpecConfig | None,
 
 
 def switch_to_speculation(params: Params, config: ModelConfig, spec: SpecConfig,
-                          state: decode.DecodeState, plan: RolloutPlan,
+                          state: decode.DecodeState, plan: RolloutPlan, prefill_len: int,
                           attention_impl: str) -> speculative.SpecState:
-  """A fresh drafter cache, prefilled over every row's context (`state` is donated)."""
+  """A fresh drafter cache, prefilled over every live row's context (`state` is donated);
+  prefill_len: `drafter_prefill_len`."""
   draft_cache = init_drafter_cache(config, state.done.shape[0], plan.cache_len,
                                    params["embed"].dtype)
   with warnings.catch_warnings():
@@ -309,7 +310,13 @@ def switch_to_speculation(params: Params, config: ModelConfig, spec: SpecConfig,
     warnings.filterwarnings("ignore", "Some donated buffers were not usable", UserWarning)
     return speculative.start_speculation(
         params, spec.drafter, state, draft_cache, config=config, strategies=spec.strategies,
-        attention_impl=attention_impl)
+        prefill_len=prefill_len, attention_impl=attention_impl)
+
+
+def drafter_prefill_len(longest_live: int, plan: RolloutPlan, buckets: BucketSpec) -> int:
+  """Slots the drafter prefill at the switch runs: the longest live row's context, bucketed
+  as attention windows are (a page times a power of two, capped at the cache)."""
+  return buckets.attention_window(longest_live, plan.cache_len)
 
 
 def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int]], *,
@@ -383,7 +390,9 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
       if live_rows <= spec.threshold and steps_below >= spec.patience:
         spec_on_at = time.perf_counter() - start
         head = draft_head(params, config, spec.vocab_ids)
-        state = switch_to_speculation(params, config, spec, state, plan, attention_impl)
+        state = switch_to_speculation(params, config, spec, state, plan,
+                                      drafter_prefill_len(longest_live, plan, buckets),
+                                      attention_impl)
     chunk_start_generated = generated
     speculating = isinstance(state, speculative.SpecState)
     window = chunk_window(longest_live, chunk_steps, spec if speculating else None, plan,

@@ -21,8 +21,8 @@ from tlt_jax.models.transformer import Params, unstack_layers
 from tlt_jax.rollout import decode, speculative
 from tlt_jax.rollout.buckets import BucketSpec
 from tlt_jax.rollout.engine import (SpecConfig, check_attention_impl, chunk_reach,
-                                    compiled_programs, plan_rollout, switch_to_speculation,
-                                    take_rows)
+                                    compiled_programs, drafter_prefill_len, plan_rollout,
+                                    switch_to_speculation, take_rows)
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.sharding.rules import MeshRules
 
@@ -82,9 +82,17 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
 
   if spec_batches:
     head = draft_head(params, config, spec.vocab_ids)
-    spec_states = {b: switch_to_speculation(params, config, spec, states.pop(b), plan,
-                                            attention_impl)
-                   for b in spec_batches}
+    # The switch can come at any longest live row, 1..cache_len.
+    prefill_lens = sorted({drafter_prefill_len(n, plan, buckets)
+                           for n in range(1, plan.cache_len + 1)})
+    spec_states = {}
+    for b in spec_batches:
+      state = states.pop(b)
+      for length in prefill_lens:
+        # Each switch donates its state: all but the last switch from a copy.
+        source = state if length == prefill_lens[-1] else jax.tree.map(jnp.copy, state)
+        spec_states[b] = switch_to_speculation(params, config, spec, source, plan, length,
+                                               attention_impl)
     _compact_pairs(spec_states, spec_batches)
     for b in spec_batches:
       for window in windows(spec):

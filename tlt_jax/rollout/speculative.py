@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.drafter import DrafterParams, draft_logits, drafter_forward
+from tlt_jax.models.drafter import (DrafterParams, draft_logits, drafter_forward,
+                                   drafter_forward_new_kv)
 from tlt_jax.models.kv_cache import KVCache
 from tlt_jax.models.transformer import Params, forward_new_kv, lm_logits
 from tlt_jax.rollout.decode import DecodeState, emit
@@ -80,22 +81,30 @@ def cache_margin(strategies: Sequence[SpecStrategy]) -> int:
   return max(max(s.verify_tokens, s.num_nodes + width) for s in strategies)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "strategies", "attention_impl"),
+@functools.partial(jax.jit, static_argnames=("config", "strategies", "prefill_len",
+                                             "attention_impl"),
                    donate_argnames=("base", "draft_cache"))
 def start_speculation(params: Params, drafter: DrafterParams, base: DecodeState,
                       draft_cache: KVCache, *, config: ModelConfig,
-                      strategies: tuple[SpecStrategy, ...], attention_impl: str = "auto"
-                      ) -> SpecState:
+                      strategies: tuple[SpecStrategy, ...], prefill_len: int,
+                      attention_impl: str = "auto") -> SpecState:
   """Drafter prefill over each row's existing context (slots 0..L-2), leaving the pair
-  (h_{L-1}, x_L) pending. strategies: those the rollout may switch between."""
+  (h_{L-1}, x_L) pending. strategies: those the rollout may switch between. prefill_len:
+  slots prefilled, at least the longest live row's L (a bucket of it, so few programs
+  serve every switch); slots past it stay empty, which only finished rows can reach
+  (nothing they draft is emitted)."""
   pend_width = pending_width(strategies)
   lengths = base.cache.lengths
-  b, s = base.history.shape
+  b = base.history.shape[0]
   tokens = jnp.concatenate([base.history[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
-  positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-  _, draft_cache = drafter_forward(drafter, params, config, tokens, base.hidden_buf, positions,
-                                   draft_cache.replace(lengths=jnp.zeros_like(lengths)),
-                                   attention_impl=attention_impl)
+  positions = jnp.broadcast_to(jnp.arange(prefill_len, dtype=jnp.int32), (b, prefill_len))
+  # Only the live context runs, against no cache slots: every position of the cache, scored
+  # against every empty drafter slot as well, made the prefill quadratic in the cache length
+  # whatever the rows' own lengths.
+  _, new_k, new_v = drafter_forward_new_kv(
+      drafter, params, config, tokens[:, :prefill_len], base.hidden_buf[:, :prefill_len],
+      positions, draft_cache.without_slots(b), attention_impl=attention_impl)
+  draft_cache = draft_cache.write_prefix(new_k, new_v)
   rows = jnp.arange(b)
   pend_tokens = jnp.zeros((b, pend_width), jnp.int32).at[:, 0].set(base.last_tokens)
   pend_hidden = jnp.zeros((b, pend_width, config.hidden_size), base.hidden_buf.dtype)
