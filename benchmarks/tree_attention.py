@@ -1,5 +1,8 @@
 """Tree-verify attention timing: jnp reference vs the Pallas kernel (and Triton on GPU).
 
+Each takes what the model hands it: the cache in its own layout, read in place, and the
+new tokens' keys as a block of their own.
+
 On GPU the kernels are compiled; on CPU Pallas runs in interpret mode, which checks
 correctness but says nothing about kernel speed. Implementations are timed in alternating
 order within each repeat so machine noise hits all alike; medians are reported.
@@ -22,23 +25,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tlt_jax.pallas.tree_attention import tree_attention_pallas, tree_attention_reference
+from tlt_jax.models.attention import attend
+from tlt_jax.pallas.tree_attention import tree_attention_pallas
 
 
 def tree_inputs(args, dtype):
-  """Random q/k/v and a verify mask: per-row prefix, then a random tree over the new tokens."""
+  """Random `attend` arguments of a verify step: q, a cache [B, K, S, D] with a committed
+  prefix per row, and a random tree over the new tokens."""
   rng = np.random.default_rng(0)
-  b, t, s, kh = args.batch, args.tokens, args.cache_len, args.kv_heads
+  b, t, s, kh, d = args.batch, args.tokens, args.cache_len, args.kv_heads, args.head_dim
   normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
   ancestors = np.eye(t, dtype=bool)
   for node in range(1, t):
     ancestors[node] |= ancestors[rng.integers(0, node)]
-  mask = np.zeros((b, t, s), bool)
-  for row, length in enumerate(rng.integers(1, s - t + 1, b)):
-    mask[row, :, :length] = True
-    mask[row, :, length:length + t] = ancestors
-  return (normal(b, t, args.heads, args.head_dim), normal(b, s, kh, args.head_dim),
-          normal(b, s, kh, args.head_dim), jnp.asarray(mask))
+  cache_mask = np.zeros((b, t, s), bool)
+  for row, length in enumerate(rng.integers(1, s + 1, b)):
+    cache_mask[row, :, :length] = True
+  return (normal(b, t, args.heads, d), normal(b, kh, s, d), normal(b, kh, s, d),
+          jnp.asarray(cache_mask), normal(b, t, kh, d), normal(b, t, kh, d),
+          jnp.asarray(np.broadcast_to(ancestors, (b, t, t))))
 
 
 def seconds_per_call(fn, inputs, calls):
@@ -64,7 +69,7 @@ def main() -> None:
   args = parser.parse_args()
 
   on_gpu = jax.default_backend() == "gpu"
-  impls = {"reference": jax.jit(tree_attention_reference),
+  impls = {"reference": jax.jit(attend),
            "pallas": jax.jit(lambda *x: tree_attention_pallas(*x, interpret=not on_gpu))}
   if on_gpu and importlib.util.find_spec("jax_triton") is not None:
     from tlt_jax.pallas.tree_attention_triton import tree_attention_triton

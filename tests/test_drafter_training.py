@@ -182,10 +182,11 @@ def test_train_step_with_every_attention_impl(impl, target_params):
   state, metrics = step(impl)
   np.testing.assert_allclose(metrics["loss"], reference_metrics["loss"], rtol=1e-5)
   np.testing.assert_allclose(metrics["grad_norm"], reference_metrics["grad_norm"], rtol=1e-4)
-  # Adam moves a weight by ~lr * gradient / |gradient|: float rounding in a near-zero
-  # gradient (kernel vs jnp, recomputed activations) reaches ~1e-3 of lr.
+  # Adam moves a weight by ~lr * gradient / (|gradient| + eps): float rounding in a gradient
+  # of a few eps (kernel vs jnp, recomputed activations) reaches a few 1e-3 of lr (2.5e-3
+  # on one w_gate weight, its gradient ~5e-8, with the kernel's cache and new-key blocks).
   for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(reference.params)):
-    np.testing.assert_allclose(got, want, atol=2e-6)
+    np.testing.assert_allclose(got, want, atol=5e-6)
 
 
 def test_select_draft_vocab():

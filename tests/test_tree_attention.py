@@ -1,4 +1,5 @@
-"""Tree-verify attention kernels against the transformer's jnp attention.
+"""Tree-verify attention kernels against the models' attention (`attend`), with the cache
+read in place and the new tokens' keys as a block of their own.
 
 On CPU the Pallas kernel runs in interpret mode (the same kernel body, executed by XLA), so
 shapes stay small; it is also lowered for CUDA here to catch Triton-only shape rules. The
@@ -7,46 +8,51 @@ compiled Pallas and Triton kernels are compared on a GPU only.
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tlt_jax.pallas.tree_attention import (resolve_impl, tree_attention, tree_attention_pallas,
-                                           tree_attention_reference)
+from tlt_jax.models import transformer
+from tlt_jax.models.attention import attend
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.kv_cache import init_cache
+from tlt_jax.pallas.tree_attention import resolve_impl, tree_attention, tree_attention_pallas
 
 FP32_TOL = 1e-5
 
 
 def _inputs(seed, batch, t, heads, kv_heads, dim, seq, dtype=jnp.float32):
+  """q [B, T, H, D], cache keys/values [B, K, S, D], new keys/values [B, T, K, D]."""
   rng = np.random.default_rng(seed)
-  q = rng.standard_normal((batch, t, heads, dim))
-  k = rng.standard_normal((batch, seq, kv_heads, dim))
-  v = rng.standard_normal((batch, seq, kv_heads, dim))
-  return tuple(jnp.asarray(x, dtype) for x in (q, k, v)), rng
+  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
+  return (normal(batch, t, heads, dim), normal(batch, kv_heads, seq, dim),
+          normal(batch, kv_heads, seq, dim), normal(batch, t, kv_heads, dim),
+          normal(batch, t, kv_heads, dim)), rng
 
 
-def _random_mask(rng, batch, t, seq):
-  """Half the keys visible at random, and at least one per query."""
-  mask = rng.random((batch, t, seq)) < 0.5
-  mask[np.arange(batch)[:, None], np.arange(t)[None, :], rng.integers(0, seq, (batch, t))] = True
-  return jnp.asarray(mask)
+def _random_masks(rng, batch, t, seq):
+  """(cache_mask, new_mask): half the keys visible at random, at least one per query."""
+  mask = rng.random((batch, t, seq + t)) < 0.5
+  seen = rng.integers(0, seq + t, (batch, t))
+  mask[np.arange(batch)[:, None], np.arange(t)[None, :], seen] = True
+  return jnp.asarray(mask[..., :seq]), jnp.asarray(mask[..., seq:])
 
 
-def _tree_mask(rng, batch, t, seq):
-  """Verify-pass mask: each row's committed prefix (random length), then the T tree
-  tokens written right after it, each seeing itself and its ancestors."""
+def _tree_masks(rng, batch, t, seq):
+  """Verify-pass masks: each row's committed prefix of the cache (random length), and a
+  random tree over the new tokens, each seeing itself and its ancestors."""
   parents = [-1] + [int(rng.integers(0, i)) for i in range(1, t)]
   ancestors = np.eye(t, dtype=bool)
   for node, parent in enumerate(parents):
     if parent >= 0:
       ancestors[node] |= ancestors[parent]
-  mask = np.zeros((batch, t, seq), bool)
-  for row, length in enumerate(rng.integers(1, seq - t + 1, batch)):
-    mask[row, :, :length] = True
-    mask[row, :, length:length + t] = ancestors
-  return jnp.asarray(mask)
+  cache_mask = np.zeros((batch, t, seq), bool)
+  for row, length in enumerate(rng.integers(1, seq + 1, batch)):
+    cache_mask[row, :, :length] = True
+  return jnp.asarray(cache_mask), jnp.asarray(np.broadcast_to(ancestors, (batch, t, t)))
 
 
 def _max_diff(a, b):
@@ -66,50 +72,121 @@ RANDOM_CASES = [
 @pytest.mark.parametrize("case", RANDOM_CASES, ids=lambda c: "b{}t{}h{}k{}d{}s{}".format(*c))
 def test_pallas_matches_reference_on_random_masks(case):
   batch, t, heads, kv_heads, dim, seq, block_s, block_m = case
-  (q, k, v), rng = _inputs(sum(case), batch, t, heads, kv_heads, dim, seq)
-  mask = _random_mask(rng, batch, t, seq)
-  out = tree_attention_pallas(q, k, v, mask, block_s=block_s, block_m=block_m, interpret=True)
+  inputs, rng = _inputs(sum(case), batch, t, heads, kv_heads, dim, seq)
+  q, cache_k, cache_v, k, v = inputs
+  cache_mask, new_mask = _random_masks(rng, batch, t, seq)
+  out = tree_attention_pallas(q, cache_k, cache_v, cache_mask, k, v, new_mask,
+                              block_s=block_s, block_m=block_m, interpret=True)
   assert out.shape == q.shape and out.dtype == q.dtype
-  assert _max_diff(out, tree_attention_reference(q, k, v, mask)) <= FP32_TOL
+  want = attend(q, cache_k, cache_v, cache_mask, k, v, new_mask)
+  assert _max_diff(out, want) <= FP32_TOL
 
 
-@pytest.mark.parametrize("case", [(3, 5, 4, 4, 64, 48, 32), (2, 16, 6, 2, 64, 90, 32)],
-                         ids=["t5-g1", "t16-g3"])
+@pytest.mark.parametrize("case", [(3, 5, 4, 4, 64, 48, 32), (2, 16, 6, 2, 64, 90, 32),
+                                  (2, 40, 6, 2, 32, 64, 16)],
+                         ids=["t5-g1", "t16-g3", "t40-g3"])
 def test_pallas_matches_reference_on_tree_masks(case):
+  """The last case streams the new keys in several blocks (T > block_s)."""
   batch, t, heads, kv_heads, dim, seq, block_s = case
-  (q, k, v), rng = _inputs(sum(case), batch, t, heads, kv_heads, dim, seq)
-  mask = _tree_mask(rng, batch, t, seq)
-  out = tree_attention_pallas(q, k, v, mask, block_s=block_s, interpret=True)
-  assert _max_diff(out, tree_attention_reference(q, k, v, mask)) <= FP32_TOL
+  inputs, rng = _inputs(sum(case), batch, t, heads, kv_heads, dim, seq)
+  q, cache_k, cache_v, k, v = inputs
+  cache_mask, new_mask = _tree_masks(rng, batch, t, seq)
+  out = tree_attention_pallas(q, cache_k, cache_v, cache_mask, k, v, new_mask,
+                              block_s=block_s, interpret=True)
+  assert _max_diff(out, attend(q, cache_k, cache_v, cache_mask, k, v, new_mask)) <= FP32_TOL
+
+
+def test_pallas_prefill_against_an_empty_cache_matches_reference():
+  """A prefill attends among its own tokens alone (a zero-slot cache), causally."""
+  inputs, _ = _inputs(5, 2, 37, 6, 2, 16, 0)
+  q, cache_k, cache_v, k, v = inputs
+  cache_mask = jnp.zeros((2, 37, 0), bool)
+  new_mask = transformer.causal_mask(2, 37)
+  out = tree_attention_pallas(q, cache_k, cache_v, cache_mask, k, v, new_mask, block_s=16,
+                              interpret=True)
+  assert _max_diff(out, attend(q, cache_k, cache_v, cache_mask, k, v, new_mask)) <= FP32_TOL
 
 
 def test_pallas_query_that_sees_nothing_matches_reference():
-  """The reference's finite mask value averages all S keys; padding keys must not count."""
-  (q, k, v), rng = _inputs(7, 2, 5, 6, 2, 16, 40)
-  mask = np.array(_random_mask(rng, 2, 5, 40))
-  mask[1, 3] = False
-  mask = jnp.asarray(mask)
-  out = tree_attention_pallas(q, k, v, mask, block_s=16, interpret=True)
-  assert _max_diff(out, tree_attention_reference(q, k, v, mask)) <= FP32_TOL
+  """The reference's finite mask value averages all S + T keys; padding keys must not
+  count."""
+  inputs, rng = _inputs(7, 2, 5, 6, 2, 16, 40)
+  q, cache_k, cache_v, k, v = inputs
+  cache_mask, new_mask = (np.array(m) for m in _random_masks(rng, 2, 5, 40))
+  cache_mask[1, 3] = new_mask[1, 3] = False
+  cache_mask, new_mask = jnp.asarray(cache_mask), jnp.asarray(new_mask)
+  out = tree_attention_pallas(q, cache_k, cache_v, cache_mask, k, v, new_mask, block_s=16,
+                              interpret=True)
+  assert _max_diff(out, attend(q, cache_k, cache_v, cache_mask, k, v, new_mask)) <= FP32_TOL
 
 
 def test_pallas_bfloat16_close_to_reference():
-  (q, k, v), rng = _inputs(11, 2, 5, 6, 2, 32, 50, dtype=jnp.bfloat16)
-  mask = _tree_mask(rng, 2, 5, 50)
-  out = tree_attention_pallas(q, k, v, mask, block_s=16, interpret=True)
+  inputs, rng = _inputs(11, 2, 5, 6, 2, 32, 50, dtype=jnp.bfloat16)
+  q, cache_k, cache_v, k, v = inputs
+  cache_mask, new_mask = _tree_masks(rng, 2, 5, 50)
+  out = tree_attention_pallas(q, cache_k, cache_v, cache_mask, k, v, new_mask, block_s=16,
+                              interpret=True)
   assert out.dtype == jnp.bfloat16
-  assert _max_diff(out, tree_attention_reference(q, k, v, mask)) <= 3e-2
+  assert _max_diff(out, attend(q, cache_k, cache_v, cache_mask, k, v, new_mask)) <= 3e-2
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_pallas_lowers_for_cuda(dtype):
   """Lowering to Triton IR needs no GPU, and enforces its power-of-two and dot rules."""
   q = jax.ShapeDtypeStruct((2, 5, 6, 64), dtype)
-  kv = jax.ShapeDtypeStruct((2, 50, 2, 64), dtype)
-  mask = jax.ShapeDtypeStruct((2, 5, 50), jnp.bool_)
-  lowered = jax.jit(tree_attention_pallas).trace(q, kv, kv, mask).lower(
-      lowering_platforms=("cuda",))
+  cache_kv = jax.ShapeDtypeStruct((2, 2, 50, 64), dtype)
+  new_kv = jax.ShapeDtypeStruct((2, 5, 2, 64), dtype)
+  cache_mask = jax.ShapeDtypeStruct((2, 5, 50), jnp.bool_)
+  new_mask = jax.ShapeDtypeStruct((2, 5, 5), jnp.bool_)
+  lowered = jax.jit(tree_attention_pallas).trace(
+      q, cache_kv, cache_kv, cache_mask, new_kv, new_kv, new_mask).lower(
+          lowering_platforms=("cuda",))
   assert "triton" in lowered.as_text()
+
+
+def _equations(jaxpr):
+  """Every equation of a jaxpr that holds no jaxpr of its own, through jit, scan, ...; a
+  kernel's (pallas_call's) body, which works on blocks, is not entered."""
+  for eqn in jaxpr.eqns:
+    subs = [getattr(sub, "jaxpr", sub)
+            for param in eqn.params.values() if eqn.primitive.name != "pallas_call"
+            for sub in (param if isinstance(param, (tuple, list)) else (param,))]
+    subs = [sub for sub in subs if hasattr(sub, "eqns")]
+    if not subs:
+      yield eqn
+    for sub in subs:
+      yield from _equations(sub)
+
+
+@pytest.mark.parametrize("new_tokens", [1, 5], ids=["decode", "verify"])
+def test_kernel_path_reads_the_cache_in_place(new_tokens):
+  """A decode step and a tree verify through the Pallas kernel: outside the kernel nothing
+  but a view of a layer's cache (squeeze) and the cache write (scatter) yields an array as
+  large as a layer's cache (no copy, transpose or concatenation with the new keys), and the
+  kernel computes what the jnp path does."""
+  config = ModelConfig(model_type="qwen3", vocab_size=67, hidden_size=64, intermediate_size=96,
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True,
+                       max_position_embeddings=512)
+  batch, cache_len = 2, 256
+  params = transformer.unstack_layers(transformer.init_params(config, jax.random.key(0)))
+  cache = init_cache(config, batch, cache_len, per_layer=True)
+  prompt = jnp.asarray(np.random.RandomState(0).randint(0, config.vocab_size, (batch, 9)))
+  _, cache = transformer.forward(params, config, prompt,
+                                 jnp.broadcast_to(jnp.arange(9), (batch, 9)), cache)
+  cache = cache.advance(jnp.array([9, 6]))
+  tokens = prompt[:, :new_tokens]
+  positions = cache.lengths[:, None] + jnp.arange(new_tokens)
+  step = lambda impl: transformer.forward_new_kv(params, config, tokens, positions, cache,
+                                                 attention_impl=impl)[0]
+  layer_cache = batch * config.num_kv_heads * cache_len * config.head_dim
+  jaxpr = jax.make_jaxpr(lambda: transformer.forward(
+      params, config, tokens, positions, cache, attention_impl="pallas"))().jaxpr
+  names = {eqn.primitive.name for eqn in _equations(jaxpr)}
+  assert "pallas_call" in names
+  large = [(eqn.primitive.name, var.aval.shape) for eqn in _equations(jaxpr)
+           for var in eqn.outvars if math.prod(var.aval.shape) >= layer_cache]
+  assert all(name in ("squeeze", "scatter") for name, _ in large), large
+  assert _max_diff(step("pallas"), step("reference")) <= FP32_TOL
 
 
 def test_resolve_impl():
@@ -122,21 +199,25 @@ def test_resolve_impl():
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU default")
 def test_dispatcher_uses_reference_on_cpu_and_interprets_pallas():
-  (q, k, v), rng = _inputs(3, 2, 5, 6, 2, 16, 40)
-  mask = _tree_mask(rng, 2, 5, 40)
-  reference = tree_attention_reference(q, k, v, mask)
-  np.testing.assert_array_equal(tree_attention(q, k, v, mask), reference)
-  assert _max_diff(tree_attention(q, k, v, mask, impl="pallas"), reference) <= FP32_TOL
+  inputs, rng = _inputs(3, 2, 5, 6, 2, 16, 40)
+  q, cache_k, cache_v, k, v = inputs
+  masks = _tree_masks(rng, 2, 5, 40)
+  args = (q, cache_k, cache_v, masks[0], k, v, masks[1])
+  reference = attend(*args)
+  np.testing.assert_array_equal(tree_attention(*args), reference)
+  assert _max_diff(tree_attention(*args, impl="pallas"), reference) <= FP32_TOL
   with pytest.raises(ValueError, match="impl must be one of"):
-    tree_attention(q, k, v, mask, impl="flash")
+    tree_attention(*args, impl="flash")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("jax_triton") is not None,
                     reason="jax-triton is installed")
 def test_triton_without_jax_triton_names_the_extra():
-  (q, k, v), rng = _inputs(5, 1, 1, 2, 2, 16, 16)
+  inputs, rng = _inputs(5, 1, 1, 2, 2, 16, 16)
+  q, cache_k, cache_v, k, v = inputs
+  cache_mask, new_mask = _random_masks(rng, 1, 1, 16)
   with pytest.raises(ImportError, match="`triton` extra"):
-    tree_attention(q, k, v, _random_mask(rng, 1, 1, 16), impl="triton")
+    tree_attention(q, cache_k, cache_v, cache_mask, k, v, new_mask, impl="triton")
 
 
 def _gpu_with_jax_triton() -> bool:
@@ -148,15 +229,19 @@ def _gpu_with_jax_triton() -> bool:
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-4), (jnp.bfloat16, 3e-2)],
                          ids=["f32", "bf16"])
 @pytest.mark.parametrize("case", [(4, 16, 12, 4, 64, 300), (2, 1, 8, 8, 128, 1000),
-                                  (8, 5, 14, 2, 64, 4096)], ids=["t16-g3", "t1-g1", "t5-g7"])
+                                  (8, 5, 14, 2, 64, 4096), (2, 100, 6, 2, 64, 0)],
+                         ids=["t16-g3", "t1-g1", "t5-g7", "prefill-t100"])
 def test_compiled_kernels_match_reference_on_gpu(case, dtype, tol):
   from tlt_jax.pallas.tree_attention_triton import tree_attention_triton
   batch, t, heads, kv_heads, dim, seq = case
-  (q, k, v), rng = _inputs(sum(case), batch, t, heads, kv_heads, dim, seq, dtype)
-  mask = _tree_mask(rng, batch, t, seq)
+  inputs, rng = _inputs(sum(case), batch, t, heads, kv_heads, dim, seq, dtype)
+  masks = _tree_masks(rng, batch, t, seq) if seq else (
+      jnp.zeros((batch, t, 0), bool), transformer.causal_mask(batch, t))
+  q, cache_k, cache_v, k, v = inputs
+  args = (q, cache_k, cache_v, masks[0], k, v, masks[1])
   with jax.default_matmul_precision("highest"):
-    reference = jax.jit(tree_attention_reference)(q, k, v, mask)
-  pallas = tree_attention_pallas(q, k, v, mask, interpret=False)
-  triton = jax.jit(tree_attention_triton)(q, k, v, mask)
+    reference = jax.jit(attend)(*args)
+  pallas = tree_attention_pallas(*args, interpret=False)
+  triton = jax.jit(tree_attention_triton)(*args)
   assert _max_diff(pallas, reference) <= tol
   assert _max_diff(triton, reference) <= tol

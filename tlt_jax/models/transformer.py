@@ -25,12 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from tlt_jax.data.packing import block_causal_mask
-from tlt_jax.models.attention import attend
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.dense import dense
 from tlt_jax.models.kv_cache import KVCache, init_cache, layer_buffer
 from tlt_jax.models.rope import apply_rope, inverse_frequencies
-from tlt_jax.pallas.tree_attention import resolve_impl, tree_attention
+from tlt_jax.pallas.tree_attention import tree_attention
 from tlt_jax.sharding.rules import MeshRules, constrain
 
 Params = dict
@@ -101,16 +100,6 @@ def prefix_mask(cache_lengths: jax.Array, num_new: int, max_len: int) -> jax.Arr
   return jnp.broadcast_to(visible[:, None, :], (cache_lengths.shape[0], num_new, max_len))
 
 
-def _attend(q, layer_keys, layer_values, cache_mask, k, v, new_mask, attention_impl):
-  """Attention over the cache (read in place by the jnp path) plus the new tokens; kernels
-  get the keys concatenated (their interface is one key set)."""
-  if resolve_impl(attention_impl) != "reference":
-    return tree_attention(q, jnp.concatenate([layer_keys.swapaxes(1, 2), k], axis=1),
-                          jnp.concatenate([layer_values.swapaxes(1, 2), v], axis=1),
-                          jnp.concatenate([cache_mask, new_mask], axis=-1), impl=attention_impl)
-  return attend(q, layer_keys, layer_values, cache_mask, k, v, new_mask)
-
-
 def _layer(config: ModelConfig, inv_freq: np.ndarray, rules: MeshRules | None,
            attention_impl: str, x, layer, layer_keys, layer_values, positions, cache_mask,
            new_mask):
@@ -132,7 +121,8 @@ def _layer(config: ModelConfig, inv_freq: np.ndarray, rules: MeshRules | None,
   q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
 
   k, v = k.astype(layer_keys.dtype), v.astype(layer_values.dtype)
-  attn = _attend(q, layer_keys, layer_values, cache_mask, k, v, new_mask, attention_impl)
+  attn = tree_attention(q, layer_keys, layer_values, cache_mask, k, v, new_mask,
+                        impl=attention_impl)
   x = x + dense(attn.reshape(b, t, config.num_heads * d), layer["wo"])
 
   h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)

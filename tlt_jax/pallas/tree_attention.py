@@ -1,13 +1,17 @@
-"""Tree-verify attention: T new tokens (a draft tree) against each row's KV cache.
+"""Tree-verify attention: T new tokens (a draft tree, a decode step, a prefill) against
+each row's KV cache plus themselves.
 
-The kernels compute `tlt_jax.models.attention.attend` over one key set (cache and new
-keys together), and differentiate through it: q [B, T, H, D], keys/values [B, S, K, D] (GQA, H = K * G), mask [B, T, S] bool
-(the row's committed prefix plus the query's tree ancestors) -> [B, T, H, D] in q.dtype.
+The kernels compute `tlt_jax.models.attention.attend` with its arguments, and differentiate
+through it: q [B, T, H, D]; the cache's keys/values [B, K, S, D] in the cache's own layout,
+read in place; the new keys/values [B, T, K, D] as a block of their own (GQA, H = K * G);
+cache_mask [B, T, S] and new_mask [B, T, T] bool -> [B, T, H, D] in q.dtype. Handing a
+kernel one key set instead meant copying each layer's whole cache into it at every step.
 
-The Pallas kernel runs one program per (batch row, kv head, block of query rows). Its query rows
-are the T tree tokens x G heads sharing that kv head, flattened so one matmul serves the
-whole group and each key block is read once; keys are streamed in blocks with an online
-softmax in float32. Shapes are padded to powers of two (>= 16) where Triton needs them.
+The Pallas kernel runs one program per (batch row, kv head, block of query rows). Its query
+rows are the T new tokens x G heads sharing that kv head, flattened so one matmul serves the
+whole group and each key block is read once; the cache's keys, then the new ones, are
+streamed in blocks through one online softmax in float32. Shapes are padded to powers of
+two (>= 16) where Triton needs them.
 """
 from __future__ import annotations
 
@@ -22,14 +26,6 @@ from tlt_jax.models.attention import MASKED, attend
 
 IMPLS = ("auto", "reference", "pallas", "triton")
 MIN_TRITON_DIM = 16  # tl.dot needs every matmul dimension >= 16
-
-
-def tree_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array,
-                             mask: jax.Array) -> jax.Array:
-  """The models' own attention (`attend`) over this one key set: the kernels' oracle."""
-  b, _, kh, d = k.shape
-  no_cache = jnp.zeros((b, kh, 0, d), k.dtype)
-  return attend(q, no_cache, no_cache, mask[..., :0], k, v, mask)
 
 
 def pow2_at_least(n: int) -> int:
@@ -77,82 +73,102 @@ def group_mask_rows(mask: jax.Array, groups: int, rows: int, seq: int) -> jax.Ar
   return _pad_axis(_pad_axis(expanded, 1, rows), 2, seq)
 
 
-def _kernel(q_ref, k_ref, v_ref, mask_ref, o_ref, *, seq_len: int, block_s: int,
-            scale: float):
-  """One (batch row, kv head, query-row block): online softmax over key blocks, float32."""
+def _key_blocks(num_keys: int, block_s: int) -> tuple[int, int]:
+  """(keys per loop step, padded key count) for `num_keys` keys: at least one block, so an
+  empty cache still has a (fully padded) ref."""
+  block_s = min(block_s, pow2_at_least(num_keys))
+  return block_s, max(1, pl.cdiv(num_keys, block_s)) * block_s
+
+
+def _kernel(q_ref, cache_k_ref, cache_v_ref, cache_mask_ref, k_ref, v_ref, new_mask_ref, o_ref,
+            *, cache_len: int, new_len: int, cache_block: int, new_block: int, scale: float):
+  """One (batch row, kv head, query-row block): online softmax over the cache's key blocks,
+  then the new keys' blocks, float32."""
   q = q_ref[...]
   rows = q.shape[0]
-  num_blocks = k_ref.shape[0] // block_s
-  padded = k_ref.shape[0] != seq_len
 
-  def body(i, carry):
-    acc, row_max, row_sum = carry
-    start = pl.multiple_of(i * block_s, block_s)
-    keys = k_ref[pl.ds(start, block_s), :]
-    values = v_ref[pl.ds(start, block_s), :]
-    visible = mask_ref[:, pl.ds(start, block_s)] != 0
-    scores = jax.lax.dot_general(q, keys, (((1,), (1,)), ((), ())),
-                                 preferred_element_type=jnp.float32) * scale
-    # Hidden keys get the reference's finite MASKED (a query that sees nothing averages all
-    # S keys, as the reference does); padding keys past S get -inf so they never count.
-    scores = jnp.where(visible, scores, MASKED)
-    if padded:
-      real = (start + jnp.arange(block_s)) < seq_len
-      scores = jnp.where(real[None, :], scores, -jnp.inf)
-    new_max = jnp.maximum(row_max, jnp.max(scores, axis=1))
-    correction = jnp.exp(row_max - new_max)
-    probs = jnp.exp(scores - new_max[:, None])
-    row_sum = correction * row_sum + jnp.sum(probs, axis=1)
-    acc = correction[:, None] * acc + jnp.dot(probs.astype(values.dtype), values,
-                                               preferred_element_type=jnp.float32)
-    return acc, new_max, row_sum
+  def fold(carry, keys_ref, values_ref, mask_ref, length, block_s):
+    """Adds keys/values [padded length, dim] to the softmax state, block_s keys per step."""
+    padded = keys_ref.shape[0] != length
 
-  init = (jnp.zeros(q.shape, jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
-          jnp.zeros((rows,), jnp.float32))
-  acc, _, row_sum = jax.lax.fori_loop(0, num_blocks, body, init)
+    def body(i, carry):
+      acc, row_max, row_sum = carry
+      start = pl.multiple_of(i * block_s, block_s)
+      keys = keys_ref[pl.ds(start, block_s), :]
+      values = values_ref[pl.ds(start, block_s), :]
+      visible = mask_ref[:, pl.ds(start, block_s)] != 0
+      scores = jax.lax.dot_general(q, keys, (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32) * scale
+      # Hidden keys get the reference's finite MASKED (a query that sees nothing averages
+      # all S + T keys, as the reference does); padding keys get -inf so they never count.
+      scores = jnp.where(visible, scores, MASKED)
+      if padded:
+        real = (start + jnp.arange(block_s)) < length
+        scores = jnp.where(real[None, :], scores, -jnp.inf)
+      new_max = jnp.maximum(row_max, jnp.max(scores, axis=1))
+      correction = jnp.exp(row_max - new_max)
+      probs = jnp.exp(scores - new_max[:, None])
+      row_sum = correction * row_sum + jnp.sum(probs, axis=1)
+      acc = correction[:, None] * acc + jnp.dot(probs.astype(values.dtype), values,
+                                                 preferred_element_type=jnp.float32)
+      return acc, new_max, row_sum
+
+    return jax.lax.fori_loop(0, keys_ref.shape[0] // block_s, body, carry)
+
+  carry = (jnp.zeros(q.shape, jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
+           jnp.zeros((rows,), jnp.float32))
+  if cache_len:   # an empty cache's one block is all padding: its max would stay -inf
+    carry = fold(carry, cache_k_ref, cache_v_ref, cache_mask_ref, cache_len, cache_block)
+  acc, _, row_sum = fold(carry, k_ref, v_ref, new_mask_ref, new_len, new_block)
   o_ref[...] = (acc / row_sum[:, None]).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("block_s", "block_m", "interpret"))
-def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
-                          block_s: int = 128, block_m: int = 64,
+def tree_attention_pallas(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
+                          cache_mask: jax.Array, k: jax.Array, v: jax.Array,
+                          new_mask: jax.Array, *, block_s: int = 128, block_m: int = 64,
                           interpret: bool = False) -> jax.Array:
-  """Pallas tree attention; `interpret=True` runs it (slowly) on CPU for testing.
+  """Pallas tree attention (module doc); `interpret=True` runs it (slowly) on CPU for
+  testing.
 
   block_s keys are scored per loop step, block_m query rows (T x G, padded) per program;
-  both are powers of two >= 16. The cache is only copied when S is not a multiple of the
+  both are powers of two >= 16. The cache is only copied when S is not a multiple of its
   key block or D not a power of two; bucketed cache lengths and usual head dims avoid it.
   """
   b, t, h, d = q.shape
-  s, kh = k.shape[1], k.shape[2]
+  kh, s = cache_k.shape[1], cache_k.shape[2]
   groups = h // kh
   for name, size in (("block_s", block_s), ("block_m", block_m)):
     if size < MIN_TRITON_DIM or size != pl.next_power_of_2(size):
       raise ValueError(f"{name} must be a power of two >= {MIN_TRITON_DIM}, got {size}")
   dim = pow2_at_least(d)
-  block_s = min(block_s, pow2_at_least(s))
   block_m, rows = query_row_blocks(t * groups, block_m)
-  seq = pl.cdiv(s, block_s) * block_s
+  cache_block, cache_seq = _key_blocks(s, block_s)
+  new_block, new_seq = _key_blocks(t, block_s)
 
-  qg = group_query_rows(q, kh, rows, dim)
-  keys = _pad_axis(_pad_axis(k.astype(q.dtype), 1, seq), 3, dim)
-  values = _pad_axis(_pad_axis(v.astype(q.dtype), 1, seq), 3, dim)
-  visible = group_mask_rows(mask, groups, rows, seq)
-
+  pad_cache = lambda x: _pad_axis(_pad_axis(x.astype(q.dtype), 2, cache_seq), 3, dim)
+  pad_new = lambda x: _pad_axis(_pad_axis(x.astype(q.dtype), 1, new_seq), 3, dim)
   squeezed = pl.squeezed
   row_block = pl.BlockSpec((squeezed, squeezed, block_m, dim), lambda i, j, r: (i, j, r, 0))
-  kv_block = pl.BlockSpec((squeezed, seq, squeezed, dim), lambda i, j, r: (i, 0, j, 0))
-  mask_block = pl.BlockSpec((squeezed, block_m, seq), lambda i, j, r: (i, r, 0))
+  cache_kv_block = pl.BlockSpec((squeezed, squeezed, cache_seq, dim),
+                                lambda i, j, r: (i, j, 0, 0))
+  new_kv_block = pl.BlockSpec((squeezed, new_seq, squeezed, dim), lambda i, j, r: (i, 0, j, 0))
+  mask_block = lambda seq: pl.BlockSpec((squeezed, block_m, seq), lambda i, j, r: (i, r, 0))
+  qg = group_query_rows(q, kh, rows, dim)
   out = pl.pallas_call(
-      functools.partial(_kernel, seq_len=s, block_s=block_s, scale=d ** -0.5),
+      functools.partial(_kernel, cache_len=s, new_len=t, cache_block=cache_block,
+                        new_block=new_block, scale=d ** -0.5),
       out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
       grid=(b, kh, rows // block_m),
-      in_specs=[row_block, kv_block, kv_block, mask_block],
+      in_specs=[row_block, cache_kv_block, cache_kv_block, mask_block(cache_seq),
+                new_kv_block, new_kv_block, mask_block(new_seq)],
       out_specs=row_block,
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
       interpret=interpret,
       name="tree_attention",
-  )(qg, keys, values, visible)
+  )(qg, pad_cache(cache_k), pad_cache(cache_v),
+    group_mask_rows(cache_mask, groups, rows, cache_seq), pad_new(k), pad_new(v),
+    group_mask_rows(new_mask, groups, rows, new_seq))
   return ungroup_query_rows(out, t, h, d)
 
 
@@ -165,36 +181,45 @@ def resolve_impl(impl: str, backend: str | None = None) -> str:
   return "pallas" if (backend or jax.default_backend()) == "gpu" else "reference"
 
 
-def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
+def tree_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
+                   cache_mask: jax.Array, k: jax.Array, v: jax.Array, new_mask: jax.Array, *,
                    impl: str = "auto", interpret: bool | None = None) -> jax.Array:
-  """Dispatches to an implementation; interpret=None interprets Pallas off-GPU only."""
+  """`attend` by an implementation; interpret=None interprets Pallas off-GPU only."""
   chosen = resolve_impl(impl)
   if chosen == "reference":
-    return tree_attention_reference(q, k, v, mask)
+    return attend(q, cache_k, cache_v, cache_mask, k, v, new_mask)
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
-  return _kernel_with_reference_vjp(q, k, v, mask, chosen, interpret)
+  return _kernel_with_reference_vjp(q, cache_k, cache_v, cache_mask, k, v, new_mask, chosen,
+                                    interpret)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _kernel_with_reference_vjp(q, k, v, mask, impl: str, interpret: bool) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _kernel_with_reference_vjp(q, cache_k, cache_v, cache_mask, k, v, new_mask, impl: str,
+                               interpret: bool) -> jax.Array:
   """A kernel forward; its backward is the reference's (`pallas_call` has no transpose
   rule, so a loss through the kernel, such as the drafter's, could not be differentiated)."""
   if impl == "triton":
     from tlt_jax.pallas.tree_attention_triton import tree_attention_triton
-    return tree_attention_triton(q, k, v, mask)
-  return tree_attention_pallas(q, k, v, mask, interpret=interpret)
+    return tree_attention_triton(q, cache_k, cache_v, cache_mask, k, v, new_mask)
+  return tree_attention_pallas(q, cache_k, cache_v, cache_mask, k, v, new_mask,
+                               interpret=interpret)
 
 
-def _kernel_fwd(q, k, v, mask, impl, interpret):
-  return _kernel_with_reference_vjp(q, k, v, mask, impl, interpret), (q, k, v, mask)
+def _kernel_fwd(q, cache_k, cache_v, cache_mask, k, v, new_mask, impl, interpret):
+  out = _kernel_with_reference_vjp(q, cache_k, cache_v, cache_mask, k, v, new_mask, impl,
+                                   interpret)
+  return out, (q, cache_k, cache_v, cache_mask, k, v, new_mask)
 
 
 def _reference_bwd(impl, interpret, residuals, grad):
   del impl, interpret
-  q, k, v, mask = residuals
-  _, pullback = jax.vjp(lambda q, k, v: tree_attention_reference(q, k, v, mask), q, k, v)
-  return (*pullback(grad), None)
+  q, cache_k, cache_v, cache_mask, k, v, new_mask = residuals
+  _, pullback = jax.vjp(
+      lambda q, cache_k, cache_v, k, v: attend(q, cache_k, cache_v, cache_mask, k, v, new_mask),
+      q, cache_k, cache_v, k, v)
+  dq, dcache_k, dcache_v, dk, dv = pullback(grad)
+  return dq, dcache_k, dcache_v, None, dk, dv, None
 
 
 _kernel_with_reference_vjp.defvjp(_kernel_fwd, _reference_bwd)
