@@ -458,7 +458,10 @@ def test_each_strategy_fits_its_tree_shape_to_its_own_draws():
                          init_cache(config, plan.batch, plan.cache_len, per_layer=True),
                          jax.random.key(0), buckets=BucketSpec(), keep_hidden=True, rules=None,
                          config=config, **static)
-  state = engine.switch_to_speculation(params, config, spec, state, plan, "reference")
+  longest = int(np.asarray(state.cache.lengths).max())
+  state = engine.switch_to_speculation(
+      params, config, spec, state, plan,
+      engine.drafter_prefill_len(longest, plan, BucketSpec()), "reference")
   head = draft_head(params, config, None)
   tree_scores = lambda state, strategy: np.asarray(speculative._grow_tree(
       jax.random.key(1), params, drafter, head, None, config, strategy, static["sampling"],
