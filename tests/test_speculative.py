@@ -12,6 +12,7 @@ from tlt_jax.models import drafter as drafter_lib
 from tlt_jax.models import transformer
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.rollout.bandit import BanditConfig, StrategyBandit, parse_strategies
+from tlt_jax.rollout.buckets import BucketSpec
 from tlt_jax.rollout.engine import SpecConfig, generate
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.strategy import SpecStrategy
@@ -400,10 +401,27 @@ def test_rank_scores_fall_along_the_draw_order():
                              rtol=1e-3)
 
 
+def _verify_depths(params, drafter, config, strategy, state):
+  """Depths of the nodes each row's sampled tree verifies (at T=1): its shape, which under
+  sampling the row's rank statistics alone decide."""
+  from tlt_jax.models.drafter import draft_head
+  from tlt_jax.rollout import speculative
+
+  @jax.jit
+  def depths(params, drafter, state):
+    _, tokens, parents, scores, ancestors, _ = speculative._grow_tree(
+        jax.random.key(1), params, drafter, draft_head(params, config, None), None, config,
+        strategy, SamplingParams(temperature=1.0), "reference", state)
+    roots = jnp.zeros(tokens.shape[:1], jnp.int32)
+    return speculative._select_verify_set(strategy, tokens, parents, scores, ancestors,
+                                          roots)[1]
+  return np.asarray(depths(params, drafter, state))
+
+
 def _sampled_tree_depths(rate_first, rate_rest, strategy):
   """Depths of the verified nodes of a sampled tree whose rows have seen their rank-0 draws
   accepted at `rate_first` and later ranks at `rate_rest`, on every level."""
-  from tlt_jax.models.drafter import draft_head, init_drafter_cache
+  from tlt_jax.models.drafter import init_drafter_cache
   from tlt_jax.rollout import speculative
   config, params, drafter = _model(50, seed=3)
   b, width = 2, strategy.depth + 1
@@ -416,13 +434,7 @@ def _sampled_tree_depths(rate_first, rate_rest, strategy):
       pend_hidden=jax.random.normal(jax.random.key(0), (b, width, config.hidden_size)),
       pend_count=zeros + 1, spec_steps=zeros, spec_tokens=zeros,
       rank_tries={strategy.name: tries}, rank_accepts={strategy.name: accepts})
-  grown = speculative._grow_tree(jax.random.key(1), params, drafter,
-                                 draft_head(params, config, None), None, config, strategy,
-                                 SamplingParams(temperature=1.0), "reference", state)
-  _, node_tokens, node_parents, node_scores, ancestors, _ = grown
-  _, depths, *_ = speculative._select_verify_set(strategy, node_tokens, node_parents,
-                                                 node_scores, ancestors, zeros)
-  return np.asarray(depths)
+  return _verify_depths(params, drafter, config, strategy, state)
 
 
 def test_sampled_tree_shape_follows_the_rows_acceptance():
@@ -435,33 +447,41 @@ def test_sampled_tree_shape_follows_the_rows_acceptance():
   np.testing.assert_array_equal(np.sort(wide, axis=1), [[0, 1, 1, 1, 2, 2, 2]] * 2)
 
 
+def _speculating(params, config, spec, prompts, max_new_tokens, sampling,
+                 buckets=BucketSpec(), seed=0):
+  """The prompts prefilled and switched to speculation as the engine does, for tests that
+  run `spec_chunk` themselves (params unstacked); also the static arguments it takes."""
+  from tlt_jax.models.kv_cache import init_cache
+  from tlt_jax.rollout import engine
+  static = dict(sampling=sampling, eos_ids=(), max_new_tokens=max_new_tokens,
+                attention_impl="reference")
+  plan = engine.plan_rollout(prompts, max_new_tokens, config, buckets, spec, ())
+  tokens, lengths, live, _ = engine.sorted_rows(prompts, plan.batch, plan.prompt_len)
+  caps = np.full((plan.batch,), max_new_tokens, np.int32)
+  state = engine.prefill(params, tokens, lengths, live, caps,
+                         init_cache(config, plan.batch, plan.cache_len, per_layer=True),
+                         jax.random.key(seed), buckets=buckets, keep_hidden=True, rules=None,
+                         config=config, **static)
+  prefill_len = engine.drafter_prefill_len(int(lengths.max()), plan, buckets)
+  state = engine.switch_to_speculation(params, config, spec, state, plan, prefill_len,
+                                       "reference")
+  return state, static
+
+
 def test_each_strategy_fits_its_tree_shape_to_its_own_draws():
   """A chain drawn at the sampling temperature and a tree drawn at 0.7 of it, of other
   depths, accept at their own rates: one strategy's draws must leave the rank statistics
   that shape another's trees as they were. Under sampling a tree's node scores depend on
   those statistics alone, so they show which counts a strategy reads."""
   from tlt_jax.models.drafter import draft_head
-  from tlt_jax.models.kv_cache import init_cache
-  from tlt_jax.rollout import engine, speculative
-  from tlt_jax.rollout.buckets import BucketSpec
+  from tlt_jax.rollout import speculative
   config, params, drafter = _model(50, seed=3)
   params = transformer.unstack_layers(params)
   chain, tree = parse_strategies("4_1_5,3_2_5")
   spec = SpecConfig(drafter=drafter, bandit=StrategyBandit(BanditConfig((chain, tree))),
                     draft_temperature_ratio=0.7)
-  static = dict(sampling=SamplingParams(temperature=1.0), eos_ids=(), max_new_tokens=40,
-                attention_impl="reference")
-  prompts = _prompts(50, (5, 9, 3, 7))
-  plan = engine.plan_rollout(prompts, 40, config, BucketSpec(), spec, ())
-  tokens, lengths, live, _ = engine.sorted_rows(prompts, plan.batch, plan.prompt_len)
-  state = engine.prefill(params, tokens, lengths, live, np.full((plan.batch,), 40, np.int32),
-                         init_cache(config, plan.batch, plan.cache_len, per_layer=True),
-                         jax.random.key(0), buckets=BucketSpec(), keep_hidden=True, rules=None,
-                         config=config, **static)
-  longest = int(np.asarray(state.cache.lengths).max())
-  state = engine.switch_to_speculation(
-      params, config, spec, state, plan,
-      engine.drafter_prefill_len(longest, plan, BucketSpec()), "reference")
+  state, static = _speculating(params, config, spec, _prompts(50, (5, 9, 3, 7)), 40,
+                               SamplingParams(temperature=1.0))
   head = draft_head(params, config, None)
   tree_scores = lambda state, strategy: np.asarray(speculative._grow_tree(
       jax.random.key(1), params, drafter, head, None, config, strategy, static["sampling"],
@@ -478,3 +498,67 @@ def test_each_strategy_fits_its_tree_shape_to_its_own_draws():
   state = play(state, tree)
   assert not np.allclose(tree_scores(state, tree), prior[tree])
   np.testing.assert_array_equal(tree_scores(state, chain), after_chain[chain])
+
+
+def _hotelling_p(a, b):
+  """p-value of Hotelling's two-sample T^2 test that samples a [n1, k] and b [n2, k] have
+  the same mean."""
+  from scipy.stats import f
+  n1, n2, k = len(a), len(b), a.shape[1]
+  diff = a.mean(0) - b.mean(0)
+  pooled = ((n1 - 1) * np.cov(a.T) + (n2 - 1) * np.cov(b.T)) / (n1 + n2 - 2)
+  t2 = n1 * n2 / (n1 + n2) * diff @ np.linalg.solve(pooled, diff)
+  return f.sf((n1 + n2 - k - 1) / (k * (n1 + n2 - 2)) * t2, k, n1 + n2 - k - 1)
+
+
+def test_long_adaptive_trees_keep_plain_sampling():
+  """Rank statistics that start out claiming every first draw is accepted (a near-chain
+  tree) meet a drafter whose first draws pass about half the time: over 24 tokens (~12
+  verify steps) each row refits its tree's shape to its own counts, and the tokens must
+  still follow plain sampling: at positions 5, 12 and 20 (chi-square homogeneity, which
+  at these sizes catches a ~3% total-variation shift) and in each row's token counts over
+  every drafted position (Hotelling's T^2, which catches an acceptance test biased by 10%:
+  p < 1e-6, where the per-position marginals still pass)."""
+  from scipy.stats import chi2_contingency
+  from tlt_jax.models.drafter import draft_head
+  from tlt_jax.rollout import speculative
+  config, params, drafter = _model(6, seed=11)
+  params = transformer.unstack_layers(params)
+  strategy = SpecStrategy(4, 3, 7)
+  spec = SpecConfig(drafter=drafter, strategy=strategy)
+  sampling = SamplingParams(temperature=1.0)
+  n, rows = 24, 8192
+  # All rows in one batch; 32-slot cache pages keep the cache at 64 slots (128 doubled the
+  # SD time).
+  buckets = lambda rows: BucketSpec(batch_buckets=(rows,), cache_page=32)
+  prompts = [[1, 2, 3]] * rows
+  state, static = _speculating(params, config, spec, prompts, n, sampling, buckets(rows))
+  # A prior of one try per draw, far from the rows' real rates, so a few steps reshape it.
+  tries = jnp.ones_like(state.rank_tries[strategy.name])
+  state = state.replace(rank_tries={strategy.name: tries},
+                        rank_accepts={strategy.name: tries * jnp.array([0.99, 0.05, 0.05])})
+  shape = lambda state: np.sort(_verify_depths(params, drafter, config, strategy, state), 1)
+  prior_shape = shape(state)
+  head = draft_head(params, config, None)
+  while not np.all(np.asarray(state.base.done)):
+    state = speculative.spec_chunk(params, drafter, head, None, state, config=config,
+                                   strategy=strategy, chunk_steps=8,
+                                   draft_temperature_ratio=spec.draft_temperature_ratio,
+                                   **static)
+  # Every row starts from the prior's tree; many end on another, fitted to their counts.
+  assert len(np.unique(prior_shape, axis=0)) == 1
+  assert np.mean(np.any(shape(state) != prior_shape, axis=1)) > 0.3
+  assert np.mean(np.asarray(state.spec_steps)) >= 10
+  sd = np.asarray(state.base.out_tokens)
+  # Twice the rows on the cheap plain side: more power per SD sample.
+  plain = generate(params, config, prompts * 2, max_new_tokens=n, sampling=sampling, seed=1,
+                   buckets=buckets(2 * rows)).outputs
+  plain = np.array([o.token_ids for o in plain])
+  for position in (5, 12, 20):
+    table = np.array([np.bincount(x[:, position], minlength=6) for x in (plain, sd)])
+    _, p_value, _, _ = chi2_contingency(table[:, table.sum(0) >= 5])
+    assert p_value >= 1e-3, (position, p_value)
+  # One token's count is implied by the others'.
+  counts = lambda x: np.stack([np.sum(x[:, 1:] == v, 1) for v in range(5)], 1)
+  p_value = _hotelling_p(counts(plain), counts(sd))
+  assert p_value >= 1e-3, p_value
