@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from tlt_jax.models import transformer
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.kv_cache import KVCache, init_cache
+from tlt_jax.sharding.rules import MeshRules, param_logical_axes
 
 DrafterParams = dict  # {"fc": [2E, E], "fc_bias": [E], "layers": one stacked layer, no attn_norm}
 
@@ -40,19 +41,27 @@ def drafter_layer_config(config: ModelConfig) -> ModelConfig:
   return dataclasses.replace(config, num_layers=1, qkv_bias=False, qk_norm=False)
 
 
+def drafter_logical_axes(config: ModelConfig) -> dict:
+  """Logical axes of the drafter params: its layer is sharded as a target layer is."""
+  layers = dict(param_logical_axes(drafter_layer_config(config))["layers"])
+  del layers["attn_norm"]
+  return {"fc": (None, "embed"), "fc_bias": (None,), "layers": layers}
+
+
 def init_drafter_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=jnp.float32,
-                       sharding=None) -> KVCache:
-  return init_cache(drafter_layer_config(config), batch_size, max_len, dtype, sharding)
+                       rules: MeshRules | None = None) -> KVCache:
+  return init_cache(drafter_layer_config(config), batch_size, max_len, dtype, rules)
 
 
 def drafter_forward(drafter: DrafterParams, target: transformer.Params, config: ModelConfig,
                     tokens: jax.Array, hidden: jax.Array, positions: jax.Array, cache: KVCache,
                     new_mask: jax.Array | None = None, cache_mask: jax.Array | None = None,
-                    attention_impl: str = "auto") -> tuple[jax.Array, KVCache]:
+                    attention_impl: str = "auto", rules: MeshRules | None = None
+                    ) -> tuple[jax.Array, KVCache]:
   """tokens [B, T] (x_{j+1}) and hidden [B, T, E] (h_j) -> predicted h_{j+1} [B, T, E], and
   the cache with the new K/V written at `cache.lengths + arange(T)`."""
   x, new_k, new_v = drafter_forward_new_kv(drafter, target, config, tokens, hidden, positions,
-                                           cache, new_mask, cache_mask, attention_impl)
+                                           cache, new_mask, cache_mask, attention_impl, rules)
   return x, cache.write_after_committed(new_k, new_v)
 
 
@@ -60,7 +69,8 @@ def drafter_forward_new_kv(drafter: DrafterParams, target: transformer.Params,
                            config: ModelConfig, tokens: jax.Array, hidden: jax.Array,
                            positions: jax.Array, cache: KVCache,
                            new_mask: jax.Array | None = None,
-                           cache_mask: jax.Array | None = None, attention_impl: str = "auto"
+                           cache_mask: jax.Array | None = None, attention_impl: str = "auto",
+                           rules: MeshRules | None = None
                            ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Like `drafter_forward`, but the cache is only read: returns the new K/V as
   [1, B, T, K, D] (a prefill writes them into a cache it did not attend over)."""
@@ -68,7 +78,7 @@ def drafter_forward_new_kv(drafter: DrafterParams, target: transformer.Params,
   x = jnp.concatenate([embedded, hidden.astype(embedded.dtype)], axis=-1) @ drafter["fc"]
   x = x + drafter["fc_bias"]
   return transformer.run_layers_new_kv(drafter["layers"], drafter_layer_config(config), x,
-                                       positions, cache, new_mask, None, cache_mask,
+                                       positions, cache, new_mask, rules, cache_mask,
                                        attention_impl)
 
 

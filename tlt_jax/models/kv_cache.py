@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from tlt_jax.models.config import ModelConfig
+from tlt_jax.sharding.rules import MeshRules, constrain
 
 # Logical axes of the cache tensors, for sharding rules.
 # Heads before positions: attention contracts head_dim batched over (batch, kv head), so
@@ -112,6 +113,12 @@ class KVCache:
         buf, take(new).transpose(0, 1, 3, 2, 4).astype(buf.dtype), (0, row_start, 0, 0, 0))
     return self.map(put, new_k, new_v)
 
+  def laid_out(self, rules: MeshRules | None) -> "KVCache":
+    """The buffers laid out by CACHE_AXES, as `init_cache` places them (see
+    `decode.lay_out`)."""
+    return self.map(lambda buf: constrain(buf, CACHE_AXES, rules)).replace(
+        lengths=constrain(self.lengths, ("batch",), rules))
+
   def window(self, length: int) -> "KVCache":
     """The first `length` slots of every row: attention over a short context then costs
     what the context needs, not what the longest possible row needs."""
@@ -125,14 +132,13 @@ class KVCache:
 
 
 def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=jnp.float32,
-               sharding=None, per_layer: bool = False) -> KVCache:
-  """An empty cache; per_layer gives each layer its own buffers (see the module doc)."""
-  shape = (config.num_layers, batch_size, config.num_kv_heads, max_len, config.head_dim)
+               rules: MeshRules | None = None, per_layer: bool = False) -> KVCache:
+  """An empty cache, laid out by CACHE_AXES on the rules' mesh; per_layer gives each layer
+  its own buffers (see the module doc)."""
+  shape = (1 if per_layer else config.num_layers, batch_size, config.num_kv_heads, max_len,
+           config.head_dim)
+  sharding = None if rules is None else rules.sharding(CACHE_AXES, shape)
+  zeros = lambda: jnp.zeros(shape, dtype, device=sharding)
   # Separate buffers: the cache is donated, and one buffer cannot be donated twice.
-  if per_layer:
-    layer = (1,) + shape[1:]
-    zeros = lambda: tuple(jnp.zeros(layer, dtype, device=sharding)
-                          for _ in range(config.num_layers))
-  else:
-    zeros = lambda: jnp.zeros(shape, dtype, device=sharding)
-  return KVCache(k=zeros(), v=zeros(), lengths=jnp.zeros((batch_size,), jnp.int32))
+  buffers = (lambda: tuple(zeros() for _ in range(config.num_layers))) if per_layer else zeros
+  return KVCache(k=buffers(), v=buffers(), lengths=jnp.zeros((batch_size,), jnp.int32))

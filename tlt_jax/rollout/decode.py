@@ -17,7 +17,7 @@ from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.kv_cache import KVCache
 from tlt_jax.models.transformer import Params, forward, forward_new_kv, lm_logits
 from tlt_jax.rollout.sampling import SamplingParams, policy_logprob_of, sample
-from tlt_jax.sharding.rules import MeshRules
+from tlt_jax.sharding.rules import MeshRules, constrain
 
 
 @flax.struct.dataclass
@@ -48,6 +48,20 @@ class DecodeState:
             hidden.astype(self.hidden_buf.dtype), mode="drop"))
 
 
+def lay_out(state, rules: MeshRules | None):
+  """A decode or speculative state laid out one way on the replica's mesh: caches by
+  CACHE_AXES, per-row arrays over the batch, the RNG key replicated. Every program ends
+  with it (and `empty_state` starts with it): left to GSPMD, an output's layout varies from
+  program to program, and each new input layout compiles the next program again."""
+  def put(x):
+    if isinstance(x, KVCache):
+      return x.laid_out(rules)
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+      return constrain(x, (None,) * x.ndim, rules)
+    return constrain(x, ("batch",) + (None,) * (x.ndim - 1), rules)
+  return jax.tree.map(put, state, is_leaf=lambda x: isinstance(x, KVCache))
+
+
 def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
   if not eos_ids:
     return jnp.zeros(tokens.shape, bool)
@@ -75,11 +89,11 @@ def sample_and_score(key, logits, sampling):
 
 def empty_state(cache: KVCache, caps: jax.Array, live: jax.Array, key: jax.Array, *,
                 max_new_tokens: int, keep_hidden: bool, hidden_size: int,
-                ) -> DecodeState:
+                rules: MeshRules | None = None) -> DecodeState:
   """The state before prefill: an empty `cache`, nothing emitted, dead rows (live=False)
   already done; keep_hidden adds the token/hidden-state record a drafter needs."""
   b, max_len = cache.batch_size, cache.max_len
-  return DecodeState(
+  return lay_out(DecodeState(
       cache=cache,
       last_tokens=jnp.zeros((b,), jnp.int32),
       num_generated=jnp.zeros((b,), jnp.int32),
@@ -90,7 +104,7 @@ def empty_state(cache: KVCache, caps: jax.Array, live: jax.Array, key: jax.Array
       key=key,
       history=jnp.zeros((b, max_len), jnp.int32) if keep_hidden else None,
       hidden_buf=(jnp.zeros((b, max_len, hidden_size), cache.dtype) if keep_hidden
-                  else None))
+                  else None)), rules)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "sampling", "eos_ids", "max_new_tokens",
@@ -127,9 +141,9 @@ def prefill_rows(params: Params, state: DecodeState, tokens: jax.Array, lengths:
                                            sampling)
   state = state.replace(cache=cache, key=key).record(positions, tokens, hidden, rows)
   in_group = jnp.zeros(state.done.shape, bool).at[rows].set(True)
-  return emit(state, state.last_tokens.at[rows].set(first),
-              jnp.zeros(state.done.shape, jnp.float32).at[rows].set(first_logprob),
-              in_group & ~state.done, eos_ids, max_new_tokens)
+  return lay_out(emit(state, state.last_tokens.at[rows].set(first),
+                      jnp.zeros(state.done.shape, jnp.float32).at[rows].set(first_logprob),
+                      in_group & ~state.done, eos_ids, max_new_tokens), rules)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "sampling", "eos_ids", "max_new_tokens",
@@ -168,4 +182,4 @@ def decode_chunk(params: Params, state: DecodeState, *, config: ModelConfig,
   state = jax.lax.while_loop(cond, step, (jnp.int32(0), state))[1]
   if window is not None:
     state = state.replace(cache=full_cache.put_window(state.cache))
-  return state
+  return lay_out(state, rules)

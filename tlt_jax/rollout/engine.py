@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 import time
 import warnings
@@ -24,7 +25,8 @@ import numpy as np
 
 from tlt_jax.errors import UserInputError
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.drafter import DrafterParams, draft_head, init_drafter_cache
+from tlt_jax.models.drafter import (DrafterParams, draft_head, drafter_logical_axes,
+                                   init_drafter_cache)
 from tlt_jax.models.kv_cache import KVCache, init_cache
 from tlt_jax.models.transformer import Params, unstack_layers
 from tlt_jax.pallas.tree_attention import IMPLS
@@ -33,7 +35,7 @@ from tlt_jax.rollout.bandit import StrategyBandit
 from tlt_jax.rollout.buckets import BucketSpec
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.strategy import SpecStrategy
-from tlt_jax.sharding.rules import MeshRules
+from tlt_jax.sharding.rules import MeshRules, param_logical_axes, place
 
 
 MAX_SD_THRESHOLD = 256   # the largest batch bucket: SD above it never pays
@@ -93,8 +95,8 @@ class GenerationResult:
   stats: dict
 
 
-@jax.jit
-def take_rows(state, rows: jax.Array):
+@functools.partial(jax.jit, static_argnames=("rules",))
+def take_rows(state, rows: jax.Array, rules: MeshRules | None = None):
   """Gathers batch rows of a decode/spec state (compaction); the RNG key is shared."""
   def take(x):
     if isinstance(x, KVCache):
@@ -102,7 +104,8 @@ def take_rows(state, rows: jax.Array):
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
       return x
     return x[rows]
-  return jax.tree.map(take, state, is_leaf=lambda x: isinstance(x, KVCache))
+  return decode.lay_out(jax.tree.map(take, state, is_leaf=lambda x: isinstance(x, KVCache)),
+                        rules)
 
 
 _PROGRAMS = (decode.prefill_rows, decode.decode_chunk, speculative.start_speculation,
@@ -231,7 +234,7 @@ def prefill(params: Params, tokens: np.ndarray, lengths: np.ndarray, live: np.nd
   running each distinct prompt once (`distinct_prompts`)."""
   state = decode.empty_state(cache, jnp.asarray(caps), jnp.asarray(live), key,
                              max_new_tokens=static["max_new_tokens"], keep_hidden=keep_hidden,
-                             hidden_size=config.hidden_size)
+                             hidden_size=config.hidden_size, rules=rules)
   for group, width, picked, sources in prefill_groups(tokens, lengths, buckets):
     state = decode.prefill_rows(params, state, jnp.asarray(tokens[group][picked, :width]),
                                 jnp.asarray(lengths[group][picked]), jnp.asarray(sources),
@@ -298,11 +301,12 @@ def chunk_window(longest_live: int, chunk_steps: int, spec: SpecConfig | None,
 
 def switch_to_speculation(params: Params, config: ModelConfig, spec: SpecConfig,
                           state: decode.DecodeState, plan: RolloutPlan, prefill_len: int,
-                          attention_impl: str) -> speculative.SpecState:
+                          attention_impl: str, rules: MeshRules | None
+                          ) -> speculative.SpecState:
   """A fresh drafter cache, prefilled over every live row's context (`state` is donated);
   prefill_len: `drafter_prefill_len`."""
   draft_cache = init_drafter_cache(config, state.done.shape[0], plan.cache_len,
-                                   params["embed"].dtype)
+                                   params["embed"].dtype, rules)
   with warnings.catch_warnings():
     # The kept tokens and hidden states are donated with the state and dropped by design
     # (speculation runs without them), so no output can reuse them: JAX's warning about
@@ -310,13 +314,26 @@ def switch_to_speculation(params: Params, config: ModelConfig, spec: SpecConfig,
     warnings.filterwarnings("ignore", "Some donated buffers were not usable", UserWarning)
     return speculative.start_speculation(
         params, spec.drafter, state, draft_cache, config=config, strategies=spec.strategies,
-        prefill_len=prefill_len, attention_impl=attention_impl)
+        prefill_len=prefill_len, attention_impl=attention_impl, rules=rules)
 
 
 def drafter_prefill_len(longest_live: int, plan: RolloutPlan, buckets: BucketSpec) -> int:
   """Slots the drafter prefill at the switch runs: the longest live row's context, bucketed
   as attention windows are (a page times a power of two, capped at the cache)."""
   return buckets.attention_window(longest_live, plan.cache_len)
+
+
+def place_rollout(params: Params, config: ModelConfig, spec: SpecConfig | None,
+                  rules: MeshRules | None) -> tuple[Params, SpecConfig | None]:
+  """The params in the rollout's layout (`unstack_layers`), and the drafter, laid out on the
+  replica's mesh by the rules (tensor-parallel over heads, batch over the data axis); the
+  same rules place every cache and constrain every activation of the rollout's programs."""
+  params = place(unstack_layers(params), param_logical_axes(config, per_layer=True), rules)
+  if spec is None or rules is None:
+    return params, spec
+  vocab_ids = None if spec.vocab_ids is None else place(spec.vocab_ids, (None,), rules)
+  return params, dataclasses.replace(
+      spec, drafter=place(spec.drafter, drafter_logical_axes(config), rules), vocab_ids=vocab_ids)
 
 
 def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int]], *,
@@ -330,10 +347,12 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
 
   attention_impl: "auto" (Pallas kernel on GPU, jnp elsewhere), "reference", "pallas"
   (interpreted off-GPU: slow, for checking) or "triton".
+  rules: the rollout replica's mesh and sharding rules (`place_rollout`); None runs on the
+  default device.
   """
   check_attention_impl(attention_impl)
   plan = plan_rollout(prompts, max_new_tokens, config, buckets, spec, eos_ids, min_row_tokens)
-  params = unstack_layers(params)
+  params, spec = place_rollout(params, config, spec, rules)
   batch, prompt_len, cache_len = plan.batch, plan.prompt_len, plan.cache_len
   tokens, lengths, live, order = sorted_rows(prompts, batch, prompt_len)
   row_caps = np.ones((batch,), np.int32)
@@ -346,7 +365,8 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
 
   start = time.perf_counter()
   state = prefill(params, tokens, lengths, live, row_caps,
-                  init_cache(config, batch, cache_len, dtype, per_layer=True), jax.random.key(seed),
+                  init_cache(config, batch, cache_len, dtype, rules, per_layer=True),
+                  jax.random.key(seed),
                   buckets=buckets, keep_hidden=spec is not None, rules=rules, **static)
   row_ids = np.where(live, order, -1)
   harvest = _Harvest(len(prompts))
@@ -378,7 +398,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
       keep = np.flatnonzero(~done)
       filler = np.flatnonzero(done)[0]            # a finished row: stays finished
       rows = np.concatenate([keep, np.full(buckets.batch_bucket(live_rows) - len(keep), filler)])
-      state = take_rows(state, jnp.asarray(rows, jnp.int32))
+      state = take_rows(state, jnp.asarray(rows, jnp.int32), rules)
       row_ids = np.where(np.arange(len(rows)) < len(keep), row_ids[rows], -1)
       batch_buckets_used.append(len(rows))
       generated = int(np.asarray(_base(state).num_generated).sum())
@@ -392,7 +412,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
         head = draft_head(params, config, spec.vocab_ids)
         state = switch_to_speculation(params, config, spec, state, plan,
                                       drafter_prefill_len(longest_live, plan, buckets),
-                                      attention_impl)
+                                      attention_impl, rules)
     chunk_start_generated = generated
     speculating = isinstance(state, speculative.SpecState)
     window = chunk_window(longest_live, chunk_steps, spec if speculating else None, plan,
@@ -408,7 +428,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
                                      strategy=strategy, chunk_steps=chunk_steps,
                                      window=window,
                                      draft_temperature_ratio=spec.draft_temperature_ratio,
-                                     **static)
+                                     rules=rules, **static)
       strategy_chunks[strategy.name] += 1
     else:
       state = decode.decode_chunk(params, state, chunk_steps=chunk_steps, window=window,

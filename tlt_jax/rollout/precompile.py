@@ -17,12 +17,12 @@ import jax.numpy as jnp
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import draft_head
 from tlt_jax.models.kv_cache import init_cache
-from tlt_jax.models.transformer import Params, unstack_layers
+from tlt_jax.models.transformer import Params
 from tlt_jax.rollout import decode, speculative
 from tlt_jax.rollout.buckets import BucketSpec
 from tlt_jax.rollout.engine import (SpecConfig, check_attention_impl, chunk_reach,
-                                    compiled_programs, drafter_prefill_len, plan_rollout,
-                                    switch_to_speculation, take_rows)
+                                    compiled_programs, drafter_prefill_len, place_rollout,
+                                    plan_rollout, switch_to_speculation, take_rows)
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.sharding.rules import MeshRules
 
@@ -41,7 +41,7 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
   check_attention_impl(attention_impl)
   before = compiled_programs()
   plan = plan_rollout(prompts, max_new_tokens, config, buckets, spec, eos_ids, min_row_tokens)
-  params = unstack_layers(params)
+  params, spec = place_rollout(params, config, spec, rules)
   static = dict(config=config, sampling=sampling, eos_ids=plan.eos_ids,
                 max_new_tokens=plan.max_new_tokens, attention_impl=attention_impl)
   dtype = params["embed"].dtype
@@ -59,10 +59,10 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
                                          plan.cache_len)]
 
   fresh_state = lambda: decode.empty_state(
-      init_cache(config, start, plan.cache_len, dtype, per_layer=True),
+      init_cache(config, start, plan.cache_len, dtype, rules, per_layer=True),
       jnp.ones((start,), jnp.int32), jnp.zeros((start,), bool), jax.random.key(0),
       max_new_tokens=plan.max_new_tokens, keep_hidden=spec is not None,
-      hidden_size=config.hidden_size)
+      hidden_size=config.hidden_size, rules=rules)
   group_rows = buckets.prefill_group_rows(start)
   prefill = lambda state, count, width: decode.prefill_rows(
       params, state, jnp.zeros((count, width), jnp.int32), jnp.ones((count,), jnp.int32),
@@ -74,7 +74,7 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
     for count in sorted(set(plan.prefill_prompts[1:])):
       state = prefill(state, count, width)
   states = {start: state}
-  _compact_pairs(states, batches)
+  _compact_pairs(states, batches, rules)
   for b in batches:
     for window in windows(None):
       states[b] = decode.decode_chunk(params, states[b], chunk_steps=chunk_steps, window=window,
@@ -92,24 +92,24 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
         # Each switch donates its state: all but the last switch from a copy.
         source = state if length == prefill_lens[-1] else jax.tree.map(jnp.copy, state)
         spec_states[b] = switch_to_speculation(params, config, spec, source, plan, length,
-                                               attention_impl)
-    _compact_pairs(spec_states, spec_batches)
+                                               attention_impl, rules)
+    _compact_pairs(spec_states, spec_batches, rules)
     for b in spec_batches:
       for window in windows(spec):
         for strategy in spec.strategies:
           spec_states[b] = speculative.spec_chunk(
               params, spec.drafter, head, spec.vocab_ids, spec_states[b], strategy=strategy,
               chunk_steps=chunk_steps, window=window,
-              draft_temperature_ratio=spec.draft_temperature_ratio, **static)
+              draft_temperature_ratio=spec.draft_temperature_ratio, rules=rules, **static)
     jax.block_until_ready(spec_states)
   jax.block_until_ready(states)
   return compiled_programs() - before
 
 
-def _compact_pairs(states: dict, sizes: list[int]) -> None:
+def _compact_pairs(states: dict, sizes: list[int], rules: MeshRules | None) -> None:
   """Runs compaction from every size to every smaller one (any drop in live rows can skip
   buckets); fills `states` with a state of each size, all rows finished."""
   for size in sorted(sizes, reverse=True):
     for smaller in (s for s in sizes if s < size):
-      compacted = take_rows(states[size], jnp.zeros((smaller,), jnp.int32))
+      compacted = take_rows(states[size], jnp.zeros((smaller,), jnp.int32), rules)
       states.setdefault(smaller, compacted)

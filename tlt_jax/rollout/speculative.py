@@ -36,11 +36,12 @@ from tlt_jax.models.drafter import (DrafterParams, draft_logits, drafter_forward
                                    drafter_forward_new_kv)
 from tlt_jax.models.kv_cache import KVCache
 from tlt_jax.models.transformer import Params, forward_new_kv, lm_logits
-from tlt_jax.rollout.decode import DecodeState, emit
+from tlt_jax.rollout.decode import DecodeState, emit, lay_out
 from tlt_jax.rollout.acceptance import recursive_rejection
 from tlt_jax.rollout.sampling import (SamplingParams, argmax, policy_logprobs,
                                       processed_logprobs)
 from tlt_jax.rollout.strategy import SpecStrategy
+from tlt_jax.sharding.rules import MeshRules
 
 # Ranks a node just below an equal-scoring ancestor, so a top-n selection is ancestor-closed.
 _DEPTH_TIEBREAK = 1e-3
@@ -82,12 +83,13 @@ def cache_margin(strategies: Sequence[SpecStrategy]) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("config", "strategies", "prefill_len",
-                                             "attention_impl"),
+                                             "attention_impl", "rules"),
                    donate_argnames=("base", "draft_cache"))
 def start_speculation(params: Params, drafter: DrafterParams, base: DecodeState,
                       draft_cache: KVCache, *, config: ModelConfig,
                       strategies: tuple[SpecStrategy, ...], prefill_len: int,
-                      attention_impl: str = "auto") -> SpecState:
+                      attention_impl: str = "auto", rules: MeshRules | None = None
+                      ) -> SpecState:
   """Drafter prefill over each row's existing context (slots 0..L-2), leaving the pair
   (h_{L-1}, x_L) pending. strategies: those the rollout may switch between. prefill_len:
   slots prefilled, at least the longest live row's L (a bucket of it, so few programs
@@ -103,7 +105,7 @@ def start_speculation(params: Params, drafter: DrafterParams, base: DecodeState,
   # whatever the rows' own lengths.
   _, new_k, new_v = drafter_forward_new_kv(
       drafter, params, config, tokens[:, :prefill_len], base.hidden_buf[:, :prefill_len],
-      positions, draft_cache.without_slots(b), attention_impl=attention_impl)
+      positions, draft_cache.without_slots(b), attention_impl=attention_impl, rules=rules)
   draft_cache = draft_cache.write_prefix(new_k, new_v)
   rows = jnp.arange(b)
   pend_tokens = jnp.zeros((b, pend_width), jnp.int32).at[:, 0].set(base.last_tokens)
@@ -115,10 +117,11 @@ def start_speculation(params: Params, drafter: DrafterParams, base: DecodeState,
   # Recording them on in the SD loop costs a copy of loop state per step (~10 ms of a 36 ms
   # depth-1 step on CPU, measured), so speculation runs without them.
   base = base.replace(history=None, hidden_buf=None)
-  return SpecState(base=base, draft_cache=draft_cache.replace(lengths=lengths - 1),
+  return lay_out(SpecState(base=base, draft_cache=draft_cache.replace(lengths=lengths - 1),
                    pend_tokens=pend_tokens, pend_hidden=pend_hidden,
                    pend_count=jnp.ones((b,), jnp.int32), spec_steps=zeros, spec_tokens=zeros,
-                   rank_tries=counts(_PRIOR_TRIES), rank_accepts=counts(_PRIOR_ACCEPTS))
+                   rank_tries=counts(_PRIOR_TRIES), rank_accepts=counts(_PRIOR_ACCEPTS)),
+                 rules)
 
 
 def _rank_scores(tries: jax.Array, accepts: jax.Array) -> jax.Array:
@@ -160,7 +163,7 @@ def _propose(key, logits, k, sampling, rank_scores):
 
 
 def _grow_tree(key, params, drafter, head, vocab_ids, config, strategy, sampling,
-               attention_impl, state: SpecState):
+               attention_impl, rules, state: SpecState):
   """Drafts `depth` levels of `topk` nodes. Node n sits at level n // topk (depth+1).
 
   Under sampling also returns the q each parent's children were drawn from,
@@ -176,7 +179,7 @@ def _grow_tree(key, params, drafter, head, vocab_ids, config, strategy, sampling
   cache = state.draft_cache
   positions = cache.lengths[:, None] + jnp.arange(state.pend_tokens.shape[1])[None, :]
   hidden, cache = drafter_forward(drafter, params, config, state.pend_tokens, state.pend_hidden,
-                                  positions, cache, attention_impl=attention_impl)
+                                  positions, cache, attention_impl=attention_impl, rules=rules)
   cache = cache.advance(state.pend_count)
   committed = cache.lengths
   rows = jnp.arange(b)
@@ -205,7 +208,7 @@ def _grow_tree(key, params, drafter, head, vocab_ids, config, strategy, sampling
                                  level_positions,
                                  cache.replace(lengths=committed + (level - 1) * k),
                                  new_mask=self_only, cache_mask=cache_mask,
-                                 attention_impl=attention_impl)
+                                 attention_impl=attention_impl, rules=rules)
     child_scores, child_ix, q = _propose(keys[level], draft_logits(head, out), k,
                                          sampling, rank_scores[:, level])  # [B, k, k]
     draft_probs.append(q)
@@ -298,7 +301,7 @@ def spec_step(params: Params, drafter: DrafterParams, head: jax.Array,
               vocab_ids: jax.Array | None, state: SpecState, *, config: ModelConfig,
               strategy: SpecStrategy, sampling: SamplingParams, eos_ids: tuple[int, ...],
               max_new_tokens: int, draft_temperature_ratio: float = 1.0,
-              attention_impl: str = "auto") -> SpecState:
+              attention_impl: str = "auto", rules: MeshRules | None = None) -> SpecState:
   """Draft a tree, verify it in one target pass, commit the accepted path plus a bonus.
 
   Sampled tree drafts (topk > 1) come from the drafter at `draft_temperature_ratio` times
@@ -313,15 +316,15 @@ def spec_step(params: Params, drafter: DrafterParams, head: jax.Array,
   draft_sampling = dataclasses.replace(sampling, temperature=sampling.temperature * ratio)
   state, node_tokens, node_parents, node_scores, ancestors, draft_probs = _grow_tree(
       draft_key, params, drafter, head, vocab_ids, config, strategy, draft_sampling,
-      attention_impl, state)
+      attention_impl, rules, state)
   tokens, node_depth, parents, mask, sel = _select_verify_set(
       strategy, node_tokens, node_parents, node_scores, ancestors, base.last_tokens)
 
   committed = base.cache.lengths
   hidden, new_k, new_v = forward_new_kv(params, config, tokens,
                                         committed[:, None] + node_depth, base.cache, mask,
-                                        attention_impl=attention_impl)
-  logits = lm_logits(params, config, hidden)                           # [B, V, vocab]
+                                        rules, attention_impl)
+  logits = lm_logits(params, config, hidden, rules)                    # [B, V, vocab]
   if draft_probs is None:
     num_accepted, path, emitted = _accept_greedy(logits, tokens, parents, node_depth, depth)
   else:
@@ -357,15 +360,16 @@ def spec_step(params: Params, drafter: DrafterParams, head: jax.Array,
 
 @functools.partial(jax.jit, static_argnames=("config", "strategy", "sampling", "eos_ids",
                                              "max_new_tokens", "chunk_steps", "window",
-                                             "draft_temperature_ratio", "attention_impl"),
+                                             "draft_temperature_ratio", "attention_impl",
+                                             "rules"),
                    donate_argnames=("state",))
 def spec_chunk(params: Params, drafter: DrafterParams, head: jax.Array,
                vocab_ids: jax.Array | None, state: SpecState, *, config: ModelConfig,
                strategy: SpecStrategy,
                sampling: SamplingParams, eos_ids: tuple[int, ...], max_new_tokens: int,
                chunk_steps: int, window: int | None = None,
-               draft_temperature_ratio: float = 1.0, attention_impl: str = "auto"
-               ) -> SpecState:
+               draft_temperature_ratio: float = 1.0, attention_impl: str = "auto",
+               rules: MeshRules | None = None) -> SpecState:
   """Up to `chunk_steps` speculative steps in one program; stops when all rows are done.
 
   head: `draft_head(params, config, vocab_ids)`, made once per rollout by the caller (its
@@ -385,7 +389,7 @@ def spec_chunk(params: Params, drafter: DrafterParams, head: jax.Array,
                             strategy=strategy, sampling=sampling, eos_ids=eos_ids,
                             max_new_tokens=max_new_tokens,
                             draft_temperature_ratio=draft_temperature_ratio,
-                            attention_impl=attention_impl)
+                            attention_impl=attention_impl, rules=rules)
 
   def cond(carry):
     i, s = carry
@@ -395,4 +399,4 @@ def spec_chunk(params: Params, drafter: DrafterParams, head: jax.Array,
   if window is not None:
     state = state.replace(base=state.base.replace(cache=full_cache.put_window(state.base.cache)),
                           draft_cache=full_draft_cache.put_window(state.draft_cache))
-  return state
+  return lay_out(state, rules)

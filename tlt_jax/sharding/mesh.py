@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import jax
-import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from tlt_jax.errors import UserInputError
@@ -23,12 +22,3 @@ def make_mesh(fsdp: int, tp: int, devices: Sequence[jax.Device] | None = None) -
     raise UserInputError(
         f"mesh: fsdp={fsdp} x tp={tp} must equal the number of devices ({len(devices)})")
   return jax.make_mesh((fsdp, tp), MESH_AXES, axis_types=(AxisType.Auto,) * 2, devices=devices)
-
-
-def split_devices(devices: Sequence[jax.Device], sizes: Sequence[int]) -> list[list[jax.Device]]:
-  """Cuts `devices` into consecutive disjoint slices (e.g. trainer + rollout replicas)."""
-  devices = list(devices)
-  if sum(sizes) > len(devices) or min(sizes, default=1) < 1:
-    raise UserInputError(f"mesh: slices {list(sizes)} do not fit in {len(devices)} devices")
-  bounds = np.cumsum([0, *sizes])
-  return [devices[a:b] for a, b in zip(bounds[:-1], bounds[1:])]

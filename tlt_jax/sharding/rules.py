@@ -45,6 +45,10 @@ class MeshRules:
       if axis is not None:
         used.add(axis)
       out.append(axis)
+    # Canonical form, trailing whole dims dropped, as jit gives its outputs: P(x, None) and
+    # P(x) are unequal keys, so an input placed one way would compile a program again.
+    while out and out[-1] is None:
+      out.pop()
     return PartitionSpec(*out)
 
   def sharding(self, logical_axes: Sequence[str | None], shape: Sequence[int]) -> NamedSharding:
@@ -58,8 +62,9 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None], rules: MeshRules
   return jax.lax.with_sharding_constraint(x, rules.sharding(logical_axes, x.shape))
 
 
-def param_logical_axes(config: ModelConfig) -> dict[str, Any]:
-  """Logical axes of every parameter, the same tree structure as the params."""
+def param_logical_axes(config: ModelConfig, per_layer: bool = False) -> dict[str, Any]:
+  """Logical axes of every parameter, the same tree structure as the params; per_layer:
+  for the rollout's layout (`transformer.unstack_layers`: each layer's weights [1, ...])."""
   layers = {
       "attn_norm": ("layers", None),
       "wq": ("layers", "embed", "heads"),
@@ -75,7 +80,8 @@ def param_logical_axes(config: ModelConfig) -> dict[str, Any]:
     layers.update(bq=("layers", "heads"), bk=("layers", "kv_heads"), bv=("layers", "kv_heads"))
   if config.qk_norm:
     layers.update(q_norm=("layers", None), k_norm=("layers", None))
-  axes = {"embed": ("vocab", "embed"), "layers": layers, "final_norm": (None,)}
+  axes = {"embed": ("vocab", "embed"), "layers": (layers,) * config.num_layers if per_layer
+          else layers, "final_norm": (None,)}
   if not config.tie_word_embeddings:
     axes["lm_head"] = ("embed", "vocab")
   return axes
@@ -85,4 +91,16 @@ def tree_shardings(logical_axes: Mapping[str, Any], shapes: Mapping[str, Any],
                    rules: MeshRules) -> Any:
   """NamedShardings for a tree of arrays (or ShapeDtypeStructs) given its logical axes."""
   return jax.tree.map(lambda axes, x: rules.sharding(axes, x.shape), logical_axes, shapes,
-                      is_leaf=lambda n: isinstance(n, tuple))
+                      is_leaf=_is_axes)
+
+
+def _is_axes(node) -> bool:
+  """A leaf of a logical-axes tree: a tuple of axis names (tuples of subtrees are not)."""
+  return isinstance(node, tuple) and all(a is None or isinstance(a, str) for a in node)
+
+
+def place(tree: Any, logical_axes: Mapping[str, Any], rules: MeshRules | None) -> Any:
+  """`tree` laid out on the rules' mesh by its logical axes; as it is without rules."""
+  if rules is None:
+    return tree
+  return jax.device_put(tree, tree_shardings(logical_axes, tree, rules))
