@@ -5,11 +5,9 @@ The device count is fixed before jax starts, so the check runs in a child proces
 (`python -m tests.test_rollout_sharded`) with XLA_FLAGS set.
 """
 import json
-import os
-import subprocess
-import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.simulated_devices import run_on_8_devices
+
 
 
 def _sharded_vs_single() -> dict:
@@ -82,12 +80,7 @@ def _sharded_vs_single() -> dict:
 
 
 def test_sharded_replica_matches_single_device():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu")
-  proc = subprocess.run([sys.executable, "-m", "tests.test_rollout_sharded"], cwd=REPO,
-                        env=env, capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  result = run_on_8_devices("tests.test_rollout_sharded")
   assert result["devices"] == 8
   assert result["on_replica"], result
   assert "tp" in result["wq_spec"] and "tp" in result["drafter_wk_spec"], result

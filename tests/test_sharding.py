@@ -4,13 +4,11 @@ The device count must be fixed before jax starts, so the check runs in a child p
 (`python -m tests.test_sharding`) with XLA_FLAGS set.
 """
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.simulated_devices import run_on_8_devices
+
 
 
 def _sharded_vs_unsharded() -> dict:
@@ -53,12 +51,7 @@ def _sharded_vs_unsharded() -> dict:
 
 
 def test_sharded_forward_matches_unsharded():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu")
-  proc = subprocess.run([sys.executable, "-m", "tests.test_sharding"], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  result = run_on_8_devices("tests.test_sharding")
   assert result["devices"] == 8
   assert "fsdp" in result["wq_spec"] and "tp" in result["wq_spec"], result
   assert result["embed_shards"] == 8
