@@ -21,8 +21,8 @@ from tlt_jax.models.transformer import Params
 from tlt_jax.rollout import decode, speculative
 from tlt_jax.rollout.buckets import BucketSpec
 from tlt_jax.rollout.engine import (SpecConfig, check_attention_impl, chunk_reach,
-                                    compiled_programs, drafter_prefill_len, place_rollout,
-                                    plan_rollout, switch_to_speculation, take_rows)
+                                    compiled_programs, place_rollout, plan_rollout,
+                                    switch_to_speculation, take_rows)
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.sharding.rules import MeshRules
 
@@ -82,9 +82,8 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
 
   if spec_batches:
     head = draft_head(params, config, spec.vocab_ids)
-    # The switch can come at any longest live row, 1..cache_len.
-    prefill_lens = sorted({drafter_prefill_len(n, plan, buckets)
-                           for n in range(1, plan.cache_len + 1)})
+    # The switch can come at any longest live row, 1..cache_len: every `drafter_prefill_len`.
+    prefill_lens = buckets.attention_windows(1, plan.cache_len)
     spec_states = {}
     for b in spec_batches:
       state = states.pop(b)
