@@ -42,7 +42,7 @@ sys.path.insert(0, REPO)
 from benchmarks.matmul_rate import matmul_throughput  # noqa: E402
 from benchmarks.report import emit  # noqa: E402
 from absl import flags  # noqa: E402
-from experiments import cli  # noqa: E402
+from experiments import cli, host_malloc  # noqa: E402
 from tlt_jax.errors import UserInputError  # noqa: E402
 
 SIDES = ("project", "project_sd", "trl", "tunix")
@@ -95,6 +95,9 @@ _RUN_TIMEOUT = flags.DEFINE_integer("run_timeout_s", 7200, "Kill a side's run af
 _DRAFTER = flags.DEFINE_string("drafter", "assets/drafter_smollm2", "project_sd's drafter.")
 _SD_FLAGS = flags.DEFINE_list("sd_flags", ["--strategy=4_1_5", "--sd_threshold=16",
                                            "--sd_patience=4"], "project_sd's SD flags.")
+_PEER_HUGE_PAGES = flags.DEFINE_bool(
+    "peer_huge_pages", False, "Run the peers with huge-page malloc too (the project's entry "
+    "points turn it on for themselves: experiments/host_malloc.py); off: as they ship.")
 _MATMUL_REPS = flags.DEFINE_integer("matmul_reps", 5, "Timed calls per matmul shape.",
                                     lower_bound=1)
 
@@ -244,6 +247,9 @@ def run_side(side: str, round_index: int, ctx: dict) -> list[dict]:
   if side in PROJECT_SIDES:
     cmd = project_command(side, work_dir)
   else:
+    if not _PEER_HUGE_PAGES.value:
+      env["GLIBC_TUNABLES"] = host_malloc.tunables_without_huge_pages(
+          env.get("GLIBC_TUNABLES", ""))
     cmd = peer_command(side, ctx["python"][side], ctx["hf_dir"], ctx["prompts"], work_dir)
   ctx["commands"].setdefault(side, " ".join(cmd))
   log_path = os.path.join(ctx["bench_dir"], "logs", f"{side}_r{round_index}.log")
@@ -388,6 +394,9 @@ def main(argv):
                    "max_new_tokens": _MAX_NEW.value, "temperature": 1.0, "kl_coef": _KL.value,
                    "lr": _LR.value, "peer_micro_batch_responses": micro_responses(),
                    "trl_gradient_checkpointing": _TRL_CHECKPOINTING.value,
+                   "malloc": "project: glibc.malloc.hugetlb=1 (its entry points set it); "
+                             "peers: " + ("the same" if _PEER_HUGE_PAGES.value else
+                                          "glibc's default"),
                    "project_micro_batch_rows": _PROJECT_MICRO_ROWS.value,
                    "project_train_seq_len": seq_len, "tunix_prompt_pad": _TUNIX_PAD.value,
                    "longest_prompt_tokens": longest_prompt,

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from absl import app, flags, logging
 
+from experiments import host_malloc
 from tlt_jax.errors import UserInputError
 
 EXIT_USAGE = 2
@@ -43,7 +44,9 @@ def _quiet_unraisable(unraisable) -> None:
 
 def run(main: Callable[[list[str]], Any]) -> None:
   """`app.run` with bad flags, `UserInputError`s and I/O failures (a full disk, a
-  read-only dir) reported as one line, exit code 2."""
+  read-only dir) reported as one line, exit code 2; the process first restarts itself with
+  huge-page malloc (`host_malloc`)."""
+  host_malloc.reexec_with_huge_pages()
 
   def guarded(argv):
     if len(argv) > 1:
