@@ -296,14 +296,15 @@ def build_run(total_steps: int) -> Run:
   stream = PromptStream(data.train, _PROMPTS.value, _SEED.value)
   spec = rollout_spec(model.config, dtype)
   eos_ids = tuple(sorted(set(model.config.eos_token_ids) | set(tokenizer.eos_token_ids)))
+  rules = trainer_rules()
+  # The rollout runs on the trainer's devices, laid out by the same rules.
   rollout = RolloutSettings(group_size=_GROUP.value, max_new_tokens=_MAX_NEW.value,
                             sampling=algo["sampling"], eos_ids=eos_ids, spec=spec,
                             attention_impl=_ATTENTION.value,
-                            min_row_tokens=_MAX_PROMPT_LEN.value + _MAX_NEW.value)
+                            min_row_tokens=_MAX_PROMPT_LEN.value + _MAX_NEW.value, rules=rules)
   context = UpdateContext(config=model.config, sampling=algo["sampling"], loss=algo["loss"],
                           update=update_config, optimizer=optimizer, learning_rate=schedule,
                           max_response_len=_MAX_NEW.value)
-  rules = trainer_rules()
   params = jax.device_put(model.params, tree_shardings(param_logical_axes(model.config),
                                                        model.params, rules))
   context = dataclasses.replace(context, rules=rules)

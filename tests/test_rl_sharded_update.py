@@ -1,6 +1,8 @@
 """A policy update with params, optimizer state and rows sharded over a 4 x 2 (fsdp x tp)
 trainer mesh of 8 simulated CPU devices equals the single-device update, and hands its
-state back laid out as it came (so the next update compiles nothing).
+state back laid out as it came (so the next update compiles nothing). The RL rollout runs
+on the same mesh: the synced policy is laid out by the trainer's rules, samples what one
+device samples, and a later sync compiles no rollout program again.
 
 The device count is fixed before jax starts, so the check runs in a child process
 (`python -m tests.test_rl_sharded_update`) with XLA_FLAGS set.
@@ -12,6 +14,8 @@ from tests.simulated_devices import run_on_8_devices
 
 
 def _sharded_vs_single() -> dict:
+  import dataclasses
+
   import jax
   import numpy as np
 
@@ -20,8 +24,10 @@ def _sharded_vs_single() -> dict:
   from tlt_jax.models.config import ModelConfig
   from tlt_jax.rl.batching import Sequences
   from tlt_jax.rl.config import LossConfig
+  from tlt_jax.rl.rollout import RolloutSettings, lay_out_for_rollout, sample_groups
   from tlt_jax.rl.update import (UpdateConfig, UpdateContext, compiled_programs,
                                  init_policy_state, update_policy)
+  from tlt_jax.rollout import engine
   from tlt_jax.rollout.sampling import SamplingParams
   from tlt_jax.sharding.mesh import make_mesh
   from tlt_jax.sharding.rules import MeshRules, param_logical_axes, tree_shardings
@@ -65,14 +71,35 @@ def _sharded_vs_single() -> dict:
           "wq_spec": str(sharded.params["layers"]["wq"].sharding.spec),
           "mu_wq_spec": str(mu.sharding.spec),
           "loss_diff": abs(single_metrics["actor/loss"] - sharded_metrics["actor/loss"])}
+  # The rollout on the trainer's mesh (laid out by its rules) against one device's.
+  settings = RolloutSettings(group_size=2, max_new_tokens=6, sampling=SamplingParams(0.0),
+                             eos_ids=(), rules=ctx.rules)
+
+  def rollout(params, settings):
+    synced = lay_out_for_rollout(params, config, settings)
+    groups = sample_groups(synced, config, prompts[:2], settings, seed=0)
+    return synced, groups.responses, np.concatenate(groups.logprobs)
+
+  single_params = jax.device_put(jax.device_get(sharded.params))
+  _, single_tokens, single_logp = rollout(single_params, dataclasses.replace(settings,
+                                                                             rules=None))
+  synced, tokens, logp = rollout(sharded.params, settings)
+  result.update({"rollout_tokens_equal": tokens == single_tokens,
+                 "rollout_logprob_diff": float(np.max(np.abs(logp - single_logp))),
+                 "rollout_wq_spec": str(synced["layers"][0]["wq"].sharding.spec)})
+
   # A second update on the same shapes: the state must come back laid out as it went in,
   # or every program (and the rollout's, which read the params) compiles again.
   layout = lambda state: [str(x.sharding) for x in jax.tree.leaves(state)]
   before, programs = layout(sharded), compiled_programs()
+  engine_programs = engine.compiled_programs()
   again, _ = update_policy(sharded, sequences, advantages, rollout_logp, None,
                            np.ones(6, bool), ctx, seed=1)
   result["second_update_new_programs"] = compiled_programs() - programs
   result["layout_changes"] = sum(a != b for a, b in zip(before, layout(again)))
+  _, again_tokens, _ = rollout(again.params, settings)
+  result["rollout_tokens"] = len(again_tokens)
+  result["rollout_new_programs_after_sync"] = engine.compiled_programs() - engine_programs
   return result
 
 
@@ -86,6 +113,11 @@ def test_sharded_update_matches_single_device():
   assert result["loss_diff"] <= 1e-5, result
   assert result["layout_changes"] == 0, result
   assert result["second_update_new_programs"] == 0, result
+  assert "tp" in result["rollout_wq_spec"], result         # the rollout is sharded too
+  assert result["rollout_tokens_equal"], result
+  assert result["rollout_logprob_diff"] <= 1e-5, result
+  assert result["rollout_tokens"] == 4, result
+  assert result["rollout_new_programs_after_sync"] == 0, result
 
 
 if __name__ == "__main__":

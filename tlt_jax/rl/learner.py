@@ -23,7 +23,8 @@ from tlt_jax.rl import advantages as adv
 from tlt_jax.rl.batching import Sequences
 from tlt_jax.rl.config import AdvantageConfig, OverlongConfig
 from tlt_jax.rl.rewards import RewardItem, RewardPool
-from tlt_jax.rl.rollout import GroupRollouts, RolloutSettings, concat_rollouts, sample_groups
+from tlt_jax.rl.rollout import (GroupRollouts, RolloutSettings, concat_rollouts,
+                                lay_out_for_rollout, sample_groups)
 from tlt_jax.rl.update import (PolicyState, UpdateContext, compiled_programs, score_sequences,
                                update_policy)
 from tlt_jax.rollout import engine
@@ -86,7 +87,7 @@ class Learner:
     self.state, self.ref_params, self.stream = state, ref_params, stream
     self.rollout, self.step_config, self.update = rollout, step_config, update
     self.rewards = rewards
-    self.rollout_params = state.params
+    self.rollout_params = self.sync_weights(state.params)
 
   # ---- the step -------------------------------------------------------------------------
 
@@ -96,6 +97,7 @@ class Learner:
     programs_before = engine.compiled_programs() + compiled_programs()
 
     scored = self.collect_groups(step, record)                     # rollout + rewards
+    self.rollout_params = None    # the sync below lays the updated params out afresh
     group_size = self.rollout.group_size
     advantages = adv.group_advantages(scored.rewards, self.step_config.advantage)
     batch = scored.rollouts
@@ -195,9 +197,8 @@ class Learner:
     return np.ones(len(batch.responses), bool)
 
   def sync_weights(self, params: Params) -> Params:
-    """New policy -> the rollout engine. The rollout runs on the trainer's devices with the
-    same shapes and shardings, so its compiled programs serve the new params as they are."""
-    return params
+    """New policy -> the rollout engine, with no recompilation (`lay_out_for_rollout`)."""
+    return lay_out_for_rollout(params, self.config, self.rollout)
 
   def evaluate(self, val_items: Sequence, step: int) -> dict[str, float]:
     """Greedy answers to the held-out prompts: `val/reward`, `val/accuracy`, and both per

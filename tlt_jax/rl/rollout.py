@@ -14,9 +14,10 @@ import numpy as np
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.transformer import Params
 from tlt_jax.rollout.buckets import BucketSpec
-from tlt_jax.rollout.engine import SpecConfig, generate
+from tlt_jax.rollout.engine import SpecConfig, generate, place_rollout
 from tlt_jax.rollout.precompile import precompile
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.sharding.rules import MeshRules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,8 @@ class RolloutSettings:
   # The cache of every rollout fits rows this long (max prompt + max new tokens): one cache
   # length, so one set of programs, whatever a step's longest prompt.
   min_row_tokens: int = 0
+  # The rollout replica's mesh and sharding rules (`engine.place_rollout`); None: one device.
+  rules: MeshRules | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +72,14 @@ def concat_rollouts(parts: Sequence[GroupRollouts]) -> GroupRollouts:
       stats=parts[0].stats)
 
 
+def lay_out_for_rollout(params: Params, config: ModelConfig, settings: RolloutSettings
+                        ) -> Params:
+  """The policy in the engine's layout: per layer, on the rollout's mesh
+  (`engine.place_rollout`). Every step gives the same shapes and shardings, so the
+  rollout's compiled programs serve each new policy as they are."""
+  return place_rollout(params, config, None, settings.rules)[0]
+
+
 def sample_groups(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int]],
                   settings: RolloutSettings, seed: int) -> GroupRollouts:
   rows = [list(p) for p in prompts for _ in range(settings.group_size)]
@@ -76,7 +87,7 @@ def sample_groups(params: Params, config: ModelConfig, prompts: Sequence[Sequenc
                     sampling=settings.sampling, eos_ids=settings.eos_ids, seed=seed,
                     buckets=settings.buckets, chunk_steps=settings.chunk_steps,
                     spec=settings.spec, attention_impl=settings.attention_impl,
-                    min_row_tokens=settings.min_row_tokens)
+                    min_row_tokens=settings.min_row_tokens, rules=settings.rules)
   return GroupRollouts(
       prompts=rows,
       responses=[o.token_ids for o in result.outputs],
@@ -96,4 +107,4 @@ def precompile_rollouts(params: Params, config: ModelConfig, num_prompts: int,
                     sampling=settings.sampling, eos_ids=settings.eos_ids,
                     buckets=settings.buckets, chunk_steps=settings.chunk_steps,
                     spec=settings.spec, attention_impl=settings.attention_impl,
-                    min_row_tokens=settings.min_row_tokens)
+                    min_row_tokens=settings.min_row_tokens, rules=settings.rules)

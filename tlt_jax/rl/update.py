@@ -18,6 +18,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from tlt_jax.compiles import CompileCounter
 from tlt_jax.errors import UserInputError
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.transformer import Params
@@ -111,9 +112,12 @@ def apply_grads(state: PolicyState, grads: Params, *, optimizer: optax.GradientT
   return place_state(new_state, optimizer, config, rules), grad_norm
 
 
+_COMPILES = CompileCounter((accumulate_grads, zero_grads, apply_grads, score_rows))
+
+
 def compiled_programs() -> int:
-  return sum(fn._cache_size() for fn in (accumulate_grads, zero_grads, apply_grads,
-                                         score_rows))
+  """Training programs compiled so far (process-wide)."""
+  return _COMPILES.count
 
 
 # ---- host side: epochs, mini-batches, micro-batches ---------------------------------------

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tlt_jax.compiles import CompileCounter
 from tlt_jax.errors import UserInputError
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import (DrafterParams, draft_head, drafter_logical_axes,
@@ -110,11 +111,12 @@ def take_rows(state, rows: jax.Array, rules: MeshRules | None = None):
 
 _PROGRAMS = (decode.prefill_rows, decode.decode_chunk, speculative.start_speculation,
              speculative.spec_chunk, take_rows)
+_COMPILES = CompileCounter(_PROGRAMS)
 
 
 def compiled_programs() -> int:
   """Programs compiled so far by the engine's jitted entry points (process-wide)."""
-  return sum(fn._cache_size() for fn in _PROGRAMS)
+  return _COMPILES.count
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], batch_size: int,
