@@ -373,6 +373,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
   row_ids = np.where(live, order, -1)
   harvest = _Harvest(len(prompts))
   trace, spec_on_at, steps_below, chunk_start_generated = [], None, 0, 0
+  context_trace = []
   plain_steps = 0
   batch_buckets_used = [batch]
   strategy_chunks = collections.Counter()
@@ -386,6 +387,8 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
     emitted = generated - chunk_start_generated     # by the last chunk
     now = time.perf_counter()
     trace.append((round(now - start, 4), live_rows))
+    context_trace.append((round(now - start, 4), longest_live, emitted,
+                          isinstance(state, speculative.SpecState)))
     if played is not None:
       played_rows, strategy, began, programs = played
       # A chunk that compiled a program measured the compiler, not the strategy.
@@ -448,6 +451,9 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
       "generated_tokens": generated, "total_s": total_s,
       "tokens_per_s": generated / total_s if total_s > 0 else 0.0,
       "rollout/live_rows": trace,
+      # Per chunk boundary: seconds, the longest live row, tokens the chunk that ended there
+      # emitted, whether it was speculative: a chunk's cost by context length.
+      "rollout/context": context_trace,
       "rollout/tail_s": tail_seconds(trace, len(prompts)),
       "rollout/batch_buckets": batch_buckets_used,
       "compile/programs": compiled_programs(),
