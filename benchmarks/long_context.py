@@ -9,11 +9,11 @@ of min(--prompt_len, L/2) tokens whose caps halve from row to row, the longest f
 cache. Compaction shrinks the batch as rows finish, decode chunks attend over page x 2^k
 windows, and SD switches on (after --sd_patience steps) once one row is left, so the
 drafter prefill at the switch runs over that row's long context. Plain and SD rollouts
-alternate after a warm-up rollout of each side (which compiles their programs); figures are medians. Per-token time at L
-is a chunk's seconds per emitted token while the longest row is in the last window (L/2, L]
-(one live row), from the engine's `rollout/context` trace. Also per L: the SD switch's
-drafter prefill against the target's prefill of the same rows of ~L tokens (issue 18:
-within 2x), alternated, compile excluded.
+alternate after a warm-up rollout of each side (it compiles their programs); figures are
+medians. Per-token time at L is a chunk's seconds per emitted token while the longest row
+is in the last window (L/2, L] (one live row), from the engine's `rollout/context` trace.
+Also per L: the SD switch's drafter prefill against the target's prefill of the same rows
+of ~L tokens (issue 18: within 2x), alternated, compile excluded.
 
 The default model is a tiny random Llama with a random drafter (greedy, no EOS: both sides
 emit the same tokens); acceptance is not the point, the costs are.
@@ -204,15 +204,23 @@ def _child(cache_length: int) -> None:
                     strategy=SpecStrategy.parse(_STRATEGY.value, "--strategy"))
   baseline = _peak_rss_mib()
   result = {"cache_length": cache_length, **_measure_rollouts(params, config, spec, cache_length)}
+  # Taken before the prefill comparison, whose rows of ~L tokens are not the rollout's.
+  result["memory"] = _memory(jax, baseline)
   if _PREFILL_ROWS.value:
     placed, placed_spec = place_rollout(params, config, spec, None)
     result["switch_prefill"] = _measure_switch_prefill(placed, config, placed_spec, cache_length)
-  device_stats = jax.devices()[0].memory_stats() or {}
-  result["memory"] = {
-      "peak_rss_mib": _peak_rss_mib(), "peak_rss_over_setup_mib": _peak_rss_mib() - baseline,
-      "device_peak_mib": (device_stats["peak_bytes_in_use"] / 2**20
-                          if "peak_bytes_in_use" in device_stats else None)}
+    result["switch_prefill"]["memory"] = _memory(jax, baseline)
   print(json.dumps(result), flush=True)
+
+
+def _memory(jax, baseline_mib: float) -> dict:
+  """Peak RSS so far, and over `baseline_mib` (after setup); the device's peak where the
+  backend reports one (GPU)."""
+  device_stats = jax.devices()[0].memory_stats() or {}
+  peak = _peak_rss_mib()
+  return {"peak_rss_mib": peak, "peak_rss_over_setup_mib": peak - baseline_mib,
+          "device_peak_mib": (device_stats["peak_bytes_in_use"] / 2**20
+                              if "peak_bytes_in_use" in device_stats else None)}
 
 
 def _run_child(cache_length: int) -> dict:
@@ -249,7 +257,8 @@ def main(argv):
       "method": "each cache length in its own process; plain and SD rollouts alternated "
                 "after a warm-up rollout of each side, medians; per-token time from the engine's "
                 "rollout/context trace, chunks whose longest row is in (L/2, L]; memory: "
-                "the process's peak RSS (ru_maxrss, both sides), device peak where the "
+                "the process's peak RSS (ru_maxrss) after both sides' rollouts (the "
+                "switch_prefill entry's: after that comparison too), device peak where the "
                 "backend reports one. Timings on a shared machine: noisy.",
       "per_length": per_length,
       "growth_per_doubling": {

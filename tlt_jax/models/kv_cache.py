@@ -105,12 +105,14 @@ class KVCache:
         lengths=jnp.zeros((rows,), jnp.int32))
 
   def write_prefix(self, new_k: jax.Array, new_v: jax.Array, row_start: jax.Array | int = 0,
-                   sources: jax.Array | None = None) -> "KVCache":
-    """Writes a prefill's new K/V [L, U, T, K, D] at slots 0..T-1 of rows row_start..:
-    row row_start + i gets new row sources[i] (default i). Lengths are unchanged."""
+                   sources: jax.Array | None = None, slot_start: int = 0) -> "KVCache":
+    """Writes a prefill's new K/V [L, U, T, K, D] at slots slot_start..+T-1 of rows
+    row_start..: row row_start + i gets new row sources[i] (default i). Lengths are
+    unchanged."""
     take = (lambda new: new) if sources is None else (lambda new: new[:, sources])
     put = lambda buf, new: jax.lax.dynamic_update_slice(
-        buf, take(new).transpose(0, 1, 3, 2, 4).astype(buf.dtype), (0, row_start, 0, 0, 0))
+        buf, take(new).transpose(0, 1, 3, 2, 4).astype(buf.dtype),
+        (0, row_start, 0, slot_start, 0))
     return self.map(put, new_k, new_v)
 
   def laid_out(self, rules: MeshRules | None) -> "KVCache":
@@ -118,6 +120,12 @@ class KVCache:
     `decode.lay_out`)."""
     return self.map(lambda buf: constrain(buf, CACHE_AXES, rules)).replace(
         lengths=constrain(self.lengths, ("batch",), rules))
+
+  def empty_like(self, rows: int, slots: int) -> "KVCache":
+    """An empty cache of `rows` rows and `slots` slots, in this one's form and dtype."""
+    zeros = lambda buf: jnp.zeros(buf.shape[:1] + (rows,) + buf.shape[2:3] + (slots,)
+                                  + buf.shape[4:], buf.dtype)
+    return self.map(zeros).replace(lengths=jnp.zeros((rows,), jnp.int32))
 
   def window(self, length: int) -> "KVCache":
     """The first `length` slots of every row: attention over a short context then costs

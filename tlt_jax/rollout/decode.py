@@ -107,13 +107,57 @@ def empty_state(cache: KVCache, caps: jax.Array, live: jax.Array, key: jax.Array
                   else None)), rules)
 
 
+# Prompt positions a prefill runs per pass. In one pass, a prompt of 8k tokens scored a
+# [heads, 8k, 8k] float32 block per layer (1 GiB for 4 heads; a 2-row, 8k-token prefill
+# peaked at 4.2 GB RSS on CPU): memory quadratic in the prompt. In passes of this many
+# positions, each against the prompt's own cache (masked past what earlier passes wrote),
+# it is linear.
+PREFILL_CHUNK = 1024
+
+
+def _prefill_in_chunks(params: Params, config: ModelConfig, tokens: jax.Array,
+                       positions: jax.Array, cache: KVCache, chunk: int,
+                       rules: MeshRules | None, attention_impl: str
+                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`forward_new_kv` of prompts [U, T] attending to themselves alone (not to any empty,
+  masked slot of the batch's cache: that took a third of a 16-row, 192-token prefill with a
+  1024-slot cache on CPU), in passes of `chunk` positions. A `lax.scan`, so one pass's
+  temporaries are live at a time (unrolled, XLA kept them all: quadratic again); each pass
+  scores the whole [U, T] prompt cache, masked past the slots the passes before it wrote.
+  cache: the batch's cache, for its form and dtype."""
+  u, t = tokens.shape
+  if t <= chunk:
+    return forward_new_kv(params, config, tokens, positions, cache.without_slots(u), None,
+                          rules, attention_impl)
+  padded = -(-t // chunk) * chunk
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, padded - t)))   # padding sees only what precedes it
+  tokens, positions = pad(tokens), pad(positions)
+
+  def one_pass(prompt_cache, start):
+    take = lambda x: jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=1)
+    hidden, new_k, new_v = forward_new_kv(
+        params, config, take(tokens), take(positions),
+        prompt_cache.replace(lengths=jnp.full((u,), start, jnp.int32)), None, rules,
+        attention_impl)
+    return prompt_cache.write_prefix(new_k, new_v, slot_start=start), (hidden, new_k, new_v)
+
+  _, (hidden, new_k, new_v) = jax.lax.scan(one_pass, cache.empty_like(u, padded),
+                                           jnp.arange(0, padded, chunk))
+  # [passes, U, chunk, E] and [passes, L, U, chunk, K, D] -> one prompt of T positions.
+  hidden = hidden.transpose(1, 0, 2, 3).reshape(u, padded, -1)[:, :t]
+  joined = lambda new: jnp.moveaxis(new, 0, 2).reshape(
+      new.shape[1:3] + (padded,) + new.shape[4:])[:, :, :t]
+  return hidden, joined(new_k), joined(new_v)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "sampling", "eos_ids", "max_new_tokens",
-                                             "rules", "attention_impl"),
+                                             "rules", "attention_impl", "prefill_chunk"),
                    donate_argnames=("state",))
 def prefill_rows(params: Params, state: DecodeState, tokens: jax.Array, lengths: jax.Array,
                  sources: jax.Array, row_start: jax.Array, *, config: ModelConfig,
                  sampling: SamplingParams, eos_ids: tuple[int, ...], max_new_tokens: int,
-                 rules: MeshRules | None = None, attention_impl: str = "auto") -> DecodeState:
+                 rules: MeshRules | None = None, attention_impl: str = "auto",
+                 prefill_chunk: int = PREFILL_CHUNK) -> DecodeState:
   """Prefills cache rows row_start..+G, which are empty, and emits their first tokens (rows
   already done emit nothing). Row i holds prompt `sources[i]` of the right-padded, distinct
   prompts `tokens` [U, T] (true lengths [U]): the U prompts run once and their K/V are
@@ -121,16 +165,14 @@ def prefill_rows(params: Params, state: DecodeState, tokens: jax.Array, lengths:
   per row.
 
   A batch is prefilled in groups of rows of similar prompt length, each padded only to its
-  own longest prompt; one program per (U, G, T) serves every group of that shape."""
+  own longest prompt; one program per (U, G, T) serves every group of that shape.
+  prefill_chunk: prompt positions per pass (`PREFILL_CHUNK`)."""
   g, t = sources.shape[0], tokens.shape[1]
   rows = row_start + jnp.arange(g)
-  # The prompts attend to themselves alone: scoring them against every (empty, masked)
-  # cache slot as well took a third of a 16-row, 192-token prefill with a 1024-slot cache
-  # on CPU.
   u = tokens.shape[0]
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (u, t))
-  hidden, new_k, new_v = forward_new_kv(params, config, tokens, positions,
-                                        state.cache.without_slots(u), None, rules, attention_impl)
+  hidden, new_k, new_v = _prefill_in_chunks(params, config, tokens, positions, state.cache,
+                                            prefill_chunk, rules, attention_impl)
   tokens, positions, hidden, lengths = (x[sources] for x in (tokens, positions, hidden, lengths))
   cache = state.cache.write_prefix(new_k, new_v, row_start, sources).replace(
       lengths=jax.lax.dynamic_update_slice(state.cache.lengths, lengths.astype(jnp.int32),
