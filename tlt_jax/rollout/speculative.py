@@ -102,7 +102,10 @@ def start_speculation(params: Params, drafter: DrafterParams, base: DecodeState,
   positions = jnp.broadcast_to(jnp.arange(prefill_len, dtype=jnp.int32), (b, prefill_len))
   # Only the live context runs, against no cache slots: every position of the cache, scored
   # against every empty drafter slot as well, made the prefill quadratic in the cache length
-  # whatever the rows' own lengths.
+  # whatever the rows' own lengths. Only the new K/V are kept, and the drafter's one layer
+  # computes them from its input projection alone: XLA drops the attention, so the switch
+  # is linear in the context (at 8k, 0.002 of a target prefill of the same rows; see
+  # benchmarks/long_context.py).
   _, new_k, new_v = drafter_forward_new_kv(
       drafter, params, config, tokens[:, :prefill_len], base.hidden_buf[:, :prefill_len],
       positions, draft_cache.without_slots(b), attention_impl=attention_impl, rules=rules)
