@@ -4,6 +4,7 @@ leaves what one pass left."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from tlt_jax.models import transformer
 from tlt_jax.models.config import ModelConfig
@@ -40,18 +41,20 @@ def test_prefill_memory_is_linear_in_the_prompt():
   assert large < 2.5 * small, (small, large)
 
 
-def test_prefill_in_passes_matches_one_pass():
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+def test_prefill_in_passes_matches_one_pass(impl):
   """Two distinct prompts of 13 and 30 tokens copied to three rows, in passes of 8 and 7
-  positions (the last pass shorter) and in one: the same cache, record and first tokens."""
+  positions (the last pass shorter) and in one: the same cache, record and first tokens,
+  with the jnp attention and the kernel (interpreted off-GPU)."""
   params = transformer.unstack_layers(transformer.init_params(CONFIG, jax.random.key(1)))
   rng = np.random.RandomState(0)
   tokens = rng.randint(0, CONFIG.vocab_size, (2, 32)).astype(np.int32)
-  prefill = lambda chunk: decode.prefill_rows(
+  prefill = lambda chunk, impl: decode.prefill_rows(
       params, _empty_state(3, 64), jnp.asarray(tokens), jnp.array([13, 30]),
-      jnp.array([1, 0, 1]), jnp.int32(0), prefill_chunk=chunk, **STATIC)
-  want = prefill(decode.PREFILL_CHUNK)
+      jnp.array([1, 0, 1]), jnp.int32(0), prefill_chunk=chunk, attention_impl=impl, **STATIC)
+  want = prefill(decode.PREFILL_CHUNK, "reference")
   for chunk in (8, 7):
-    got = prefill(chunk)
+    got = prefill(chunk, impl)
     for got_leaf, want_leaf in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       if jnp.issubdtype(got_leaf.dtype, jnp.floating):
         np.testing.assert_allclose(got_leaf, want_leaf, atol=1e-5)
