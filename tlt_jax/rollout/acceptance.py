@@ -10,6 +10,11 @@ drawn from the current p_i and the walk ends. By induction from the last sibling
 step emits exactly p_i, so every emitted token is distributed as plain decoding's p
 (Leviathan et al. / Chen et al. for one child; SpecInfer-style multi-draft for several).
 A chain is the tree with one child per node.
+
+Model-free drafts are point masses: child c's q is one-hot on c, whatever was tried before
+it, so it is accepted with p_i(c) and a rejection removes c from p_i and renormalizes;
+siblings are distinct tokens tried in their given order. Exactness only needs the tree
+to be fixed before this step's draws.
 """
 from __future__ import annotations
 
@@ -26,13 +31,14 @@ def residual_probs(p: jax.Array, q: jax.Array) -> jax.Array:
   return jnp.where(total > 0, residual / jnp.where(total > 0, total, 1.0), p)
 
 
-def recursive_rejection(key: jax.Array, target_probs: jax.Array, draft_probs: jax.Array,
+def recursive_rejection(key: jax.Array, target_probs: jax.Array, draft_probs: jax.Array | None,
                         tokens: jax.Array, parents: jax.Array, depth: int, max_children: int
                         ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
   """Walks a verified tree from its root (verify index 0).
 
   target_probs [B, N, V]: p at each of the N verified nodes. draft_probs [B, N, V]: the q
-  each node's children were drawn from (any row for a leaf). tokens [B, N]; parents [B, N]:
+  each node's children were drawn from (any row for a leaf); None: every draft is a point
+  mass (model-free, distinct siblings). tokens [B, N]; parents [B, N]:
   verify index of each node's parent (entry 0, the root's, is ignored). Siblings appear in
   the order they were drawn; a child's depth is its parent's plus one, at most `depth`;
   no node has more than `max_children` children.
@@ -49,7 +55,9 @@ def recursive_rejection(key: jax.Array, target_probs: jax.Array, draft_probs: ja
   uniforms = jax.random.uniform(uniform_key, (depth, max_children, b))
   not_root = jnp.arange(n)[None, :] > 0
   node = jnp.zeros((b,), jnp.int32)
-  p, q = target_probs[:, 0], draft_probs[:, 0]
+  point_masses = draft_probs is None
+  p = target_probs[:, 0]
+  q = None if point_masses else draft_probs[:, 0]
   tried = jnp.zeros((b, n), bool)
   walking = jnp.ones((b,), bool)
   num_accepted = jnp.zeros((b,), jnp.int32)
@@ -60,18 +68,22 @@ def recursive_rejection(key: jax.Array, target_probs: jax.Array, draft_probs: ja
       untried = (parents == node[:, None]) & not_root & ~tried
       child = jnp.argmax(untried, axis=1)
       token = tokens[rows, child]
-      q_now = q / jnp.maximum(jnp.sum(q, axis=-1, keepdims=True), 1e-30)
+      if point_masses:
+        q_now = jax.nn.one_hot(token, p.shape[-1], dtype=p.dtype)
+      else:
+        q_now = q / jnp.maximum(jnp.sum(q, axis=-1, keepdims=True), 1e-30)
       q_token, p_token = q_now[rows, token], p[rows, token]
       # A child whose token has no q mass left was drawn past q's support: never a draft.
       trying = walking & ~moved & untried[rows, child] & (q_token > 0)
       accept = trying & (uniforms[level, i] * q_token < p_token)
       reject = trying & ~accept
       p = jnp.where(reject[:, None], residual_probs(p, q_now), p)
-      q = jnp.where(reject[:, None], q.at[rows, token].set(0.0), q)
       tried = tried.at[rows, child].set(tried[rows, child] | reject)
       node = jnp.where(accept, child, node)
       p = jnp.where(accept[:, None], target_probs[rows, child], p)
-      q = jnp.where(accept[:, None], draft_probs[rows, child], q)
+      if not point_masses:
+        q = jnp.where(reject[:, None], q.at[rows, token].set(0.0), q)
+        q = jnp.where(accept[:, None], draft_probs[rows, child], q)
       moved = moved | accept
       tries.append(trying)
       accepts.append(accept)

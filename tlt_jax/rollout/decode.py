@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.kv_cache import KVCache
 from tlt_jax.models.transformer import Params, forward, forward_new_kv, lm_logits
+from tlt_jax.rollout.ngram import DraftContext
 from tlt_jax.rollout.sampling import SamplingParams, policy_logprob_of, sample
 from tlt_jax.sharding.rules import MeshRules, constrain
 
@@ -50,16 +51,17 @@ class DecodeState:
 
 def lay_out(state, rules: MeshRules | None):
   """A decode or speculative state laid out one way on the replica's mesh: caches by
-  CACHE_AXES, per-row arrays over the batch, the RNG key replicated. Every program ends
-  with it (and `empty_state` starts with it): left to GSPMD, an output's layout varies from
-  program to program, and each new input layout compiles the next program again."""
+  CACHE_AXES, a model-free draft context by its own rules, per-row arrays over the batch,
+  the RNG key replicated. Every program ends with it (and `empty_state` starts with it):
+  left to GSPMD, an output's layout varies from program to program, and each new input
+  layout compiles the next program again."""
   def put(x):
-    if isinstance(x, KVCache):
+    if isinstance(x, (KVCache, DraftContext)):
       return x.laid_out(rules)
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
       return constrain(x, (None,) * x.ndim, rules)
     return constrain(x, ("batch",) + (None,) * (x.ndim - 1), rules)
-  return jax.tree.map(put, state, is_leaf=lambda x: isinstance(x, KVCache))
+  return jax.tree.map(put, state, is_leaf=lambda x: isinstance(x, (KVCache, DraftContext)))
 
 
 def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:

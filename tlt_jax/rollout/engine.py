@@ -5,8 +5,10 @@ live rows into the next smaller batch bucket once they fit, so the long tail run
 true size rather than padded to the starting batch, (2) switches speculative decoding on
 once at most `sd_threshold` rows have stayed live for `sd_patience` steps, and (3) with a
 pool of strategies, lets the BEG-MAB bandit pick each SD chunk's strategy and scores it by
-the chunk's tokens per second. Every program is keyed by (batch bucket, cache length,
-strategy): the set is finite, `compiled_programs()` reports how many exist, and
+the chunk's tokens per second. Drafts come from a learned drafter or, model-free, from
+each row's group text (`ngram.py`: its own, its siblings', the caller's `draft_context`).
+Every program is keyed by (batch bucket, cache length, strategy; model-free also the
+draft context's bucketed sizes): the set is finite, `compiled_programs()` reports how many exist, and
 `precompile` (precompile.py) builds a rollout's whole set before it starts.
 """
 from __future__ import annotations
@@ -31,7 +33,7 @@ from tlt_jax.models.drafter import (DrafterParams, draft_head, drafter_logical_a
 from tlt_jax.models.kv_cache import KVCache, init_cache
 from tlt_jax.models.transformer import Params, unstack_layers
 from tlt_jax.pallas.tree_attention import IMPLS
-from tlt_jax.rollout import decode, speculative
+from tlt_jax.rollout import decode, ngram, speculative
 from tlt_jax.rollout.bandit import StrategyBandit
 from tlt_jax.rollout.buckets import BucketSpec
 from tlt_jax.rollout.sampling import SamplingParams
@@ -47,9 +49,11 @@ DEFAULT_DRAFT_TEMPERATURE_RATIO = 0.7
 class SpecConfig:
   """Speculative decoding for the tail: on below `threshold` live rows for `patience` steps.
 
+  Drafts from a learned `drafter` or model-free (`ngram_config`: chains from the rows'
+  group text).
   Either one fixed `strategy`, or a `bandit` that picks among its strategies per chunk by
   live batch size (and learns across the rollouts that share it)."""
-  drafter: DrafterParams
+  drafter: DrafterParams | None = None
   strategy: SpecStrategy | None = None
   vocab_ids: jax.Array | None = None   # reduced draft vocabulary (sorted target ids)
   threshold: int = 32
@@ -61,14 +65,26 @@ class SpecConfig:
   # at 0.8, 2.69 at 0.7, 2.55 at 0.6; 8_4_16: 2.36 at 1, 2.47 at 0.7. A chain's one draft
   # does not gain (4_1_5: 1.97 at 1, 1.91 at 0.7), so chains keep the sampling temperature.
   draft_temperature_ratio: float = DEFAULT_DRAFT_TEMPERATURE_RATIO
+  ngram_config: ngram.NgramConfig | None = None
 
   def __post_init__(self):
     if (self.strategy is None) == (self.bandit is None):
       raise UserInputError("SpecConfig: give exactly one of strategy and bandit")
+    if (self.drafter is None) == (self.ngram_config is None):
+      raise UserInputError("SpecConfig: give exactly one of drafter and ngram_config")
+    trees = [s.name for s in self.strategies if s.topk > 1]
+    if self.ngram_config is not None and trees:
+      raise UserInputError(f"--strategy={trees[0]}: model-free drafting proposes chains "
+                           "(DEPTH_1_DEPTH+1)")
     self.validate_schedule(self.threshold, self.patience)
     if not 0 < self.draft_temperature_ratio <= 4:
       raise UserInputError(f"--draft_temperature_ratio={self.draft_temperature_ratio}: must "
                            "be in (0, 4]")
+
+  @property
+  def kind(self) -> str:
+    """The drafter kind, as stats name it."""
+    return "learned" if self.ngram_config is None else "ngram"
 
   @property
   def strategies(self) -> tuple[SpecStrategy, ...]:
@@ -98,15 +114,18 @@ class GenerationResult:
 
 @functools.partial(jax.jit, static_argnames=("rules",))
 def take_rows(state, rows: jax.Array, rules: MeshRules | None = None):
-  """Gathers batch rows of a decode/spec state (compaction); the RNG key is shared."""
+  """Gathers batch rows of a decode/spec state (compaction); the RNG key is shared, and so
+  is a model-free draft context's pool (only the rows' member lists are gathered)."""
   def take(x):
     if isinstance(x, KVCache):
       return x.map(lambda buf: buf[:, rows]).replace(lengths=x.lengths[rows])
+    if isinstance(x, ngram.DraftContext):
+      return x.replace(members=x.members[rows])
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
       return x
     return x[rows]
-  return decode.lay_out(jax.tree.map(take, state, is_leaf=lambda x: isinstance(x, KVCache)),
-                        rules)
+  return decode.lay_out(jax.tree.map(
+      take, state, is_leaf=lambda x: isinstance(x, (KVCache, ngram.DraftContext))), rules)
 
 
 _PROGRAMS = (decode.prefill_rows, decode.decode_chunk, speculative.start_speculation,
@@ -143,6 +162,16 @@ class _Harvest:
     self.logprobs: list = [None] * num_prompts
     self.spec_steps = np.zeros((num_prompts,), np.int64)
     self.spec_tokens = np.zeros((num_prompts,), np.int64)
+
+  def so_far(self, state, row_ids: np.ndarray) -> list[list[int]]:
+    """Every prompt's tokens emitted so far: harvested, or still in `state`."""
+    base = _base(state)
+    counts, out_tokens = np.asarray(base.num_generated), np.asarray(base.out_tokens)
+    outputs = list(self.tokens)
+    for row, prompt in enumerate(row_ids):
+      if prompt >= 0 and outputs[prompt] is None:
+        outputs[prompt] = out_tokens[row, :counts[row]].tolist()
+    return outputs
 
   def take(self, state, row_ids: np.ndarray, which: np.ndarray) -> None:
     speculating = isinstance(state, speculative.SpecState)
@@ -325,13 +354,52 @@ def drafter_prefill_len(longest_live: int, plan: RolloutPlan, buckets: BucketSpe
   return buckets.attention_window(longest_live, plan.cache_len)
 
 
+def draft_groups(prompts: Sequence[Sequence[int]], group_ids: Sequence[int] | None,
+                 draft_context: Sequence[Sequence[int]] | None, spec: SpecConfig | None,
+                 vocab_size: int) -> tuple[list[int], list[list[int]]]:
+  """Validated model-free draft inputs: each prompt's group (default: equal prompts form
+  one) and its extra draft text (default: none)."""
+  n = len(prompts)
+  if group_ids is None:
+    ids: dict[tuple, int] = {}
+    group_ids = [ids.setdefault(tuple(p), len(ids)) for p in prompts]
+  elif len(group_ids) != n or not all(isinstance(g, (int, np.integer)) for g in group_ids):
+    raise UserInputError(f"group_ids: expected {n} integers (one per prompt), got "
+                         f"{len(group_ids)} items")
+  if draft_context is None:
+    return list(group_ids), [[] for _ in prompts]
+  if spec is None or spec.ngram_config is None:
+    raise UserInputError("draft_context: needs model-free drafting (--drafter=ngram)")
+  is_tokens = lambda t: isinstance(t, (list, tuple, np.ndarray)) and all(
+      isinstance(x, (int, np.integer)) and 0 <= x < vocab_size for x in t)
+  if len(draft_context) != n or not all(is_tokens(t) for t in draft_context):
+    raise UserInputError(f"draft_context: expected {n} lists (one per prompt) of token ids "
+                         f"in [0, {vocab_size})")
+  return list(group_ids), [list(t) for t in draft_context]
+
+
+def switch_to_model_free(state: decode.DecodeState, texts: Sequence[Sequence[int]],
+                         groups: Sequence[int], extras: Sequence[Sequence[int]],
+                         row_ids: np.ndarray, plan: RolloutPlan, buckets: BucketSpec,
+                         rules: MeshRules | None) -> speculative.SpecState:
+  """Model-free speculation: a pool of every prompt's text so far (texts; prompt i is entry
+  i, which batch rows find through row_ids) and the non-empty extras, each in its
+  prompt's group."""
+  with_extras = [i for i, extra in enumerate(extras) if extra]
+  entries = list(texts) + [extras[i] for i in with_extras]
+  length = max(plan.cache_len, buckets.cache_length(max(map(len, entries))))
+  context = ngram.build_context(entries, list(groups) + [groups[i] for i in with_extras],
+                                row_ids, length)
+  return speculative.start_model_free(state, context, rules)
+
+
 def place_rollout(params: Params, config: ModelConfig, spec: SpecConfig | None,
                   rules: MeshRules | None) -> tuple[Params, SpecConfig | None]:
   """The params in the rollout's layout (`unstack_layers`), and the drafter, laid out on the
   replica's mesh by the rules (tensor-parallel over heads, batch over the data axis); the
   same rules place every cache and constrain every activation of the rollout's programs."""
   params = place(unstack_layers(params), param_logical_axes(config, per_layer=True), rules)
-  if spec is None or rules is None:
+  if spec is None or rules is None or spec.drafter is None:
     return params, spec
   vocab_ids = None if spec.vocab_ids is None else place(spec.vocab_ids, (None,), rules)
   return params, dataclasses.replace(
@@ -343,9 +411,15 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
              eos_ids: Sequence[int] = (), seed: int = 0, buckets: BucketSpec = BucketSpec(),
              chunk_steps: int = 16, rules: MeshRules | None = None,
              spec: SpecConfig | None = None, compact: bool = True,
-             attention_impl: str = "auto", min_row_tokens: int = 0) -> GenerationResult:
+             attention_impl: str = "auto", min_row_tokens: int = 0,
+             group_ids: Sequence[int] | None = None,
+             draft_context: Sequence[Sequence[int]] | None = None) -> GenerationResult:
   """Generates up to `max_new_tokens` tokens for each prompt (lists of token ids); a
   sequence gives each prompt its own cap.
+
+  Model-free drafting (`spec.ngram_config`) reads each row's group: the rows of equal
+  group_ids (default: of equal prompts), their text so far and the extra token list
+  draft_context[i] of each of its prompts (say an earlier epoch's response to it).
 
   attention_impl: "auto" (Pallas kernel on GPU, jnp elsewhere), "reference", "pallas"
   (interpreted off-GPU: slow, for checking) or "triton".
@@ -354,6 +428,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
   """
   check_attention_impl(attention_impl)
   plan = plan_rollout(prompts, max_new_tokens, config, buckets, spec, eos_ids, min_row_tokens)
+  groups, extras = draft_groups(prompts, group_ids, draft_context, spec, config.vocab_size)
   params, spec = place_rollout(params, config, spec, rules)
   batch, prompt_len, cache_len = plan.batch, plan.prompt_len, plan.cache_len
   tokens, lengths, live, order = sorted_rows(prompts, batch, prompt_len)
@@ -369,7 +444,8 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
   state = prefill(params, tokens, lengths, live, row_caps,
                   init_cache(config, batch, cache_len, dtype, rules, per_layer=True),
                   jax.random.key(seed),
-                  buckets=buckets, keep_hidden=spec is not None, rules=rules, **static)
+                  buckets=buckets, keep_hidden=spec is not None and spec.drafter is not None,
+                  rules=rules, **static)
   row_ids = np.where(live, order, -1)
   harvest = _Harvest(len(prompts))
   trace, spec_on_at, steps_below, chunk_start_generated = [], None, 0, 0
@@ -378,6 +454,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
   batch_buckets_used = [batch]
   strategy_chunks = collections.Counter()
   played = None   # (live rows, strategy, start time, programs) of the SD chunk in flight
+  head, context_sizes = None, None
   while True:
     base = _base(state)
     done = np.asarray(base.done)
@@ -414,10 +491,16 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
         steps_below = 0
       if live_rows <= spec.threshold and steps_below >= spec.patience:
         spec_on_at = time.perf_counter() - start
-        head = draft_head(params, config, spec.vocab_ids)
-        state = switch_to_speculation(params, config, spec, state, plan,
-                                      drafter_prefill_len(longest_live, plan, buckets),
-                                      attention_impl, rules)
+        if spec.drafter is None:
+          texts = [list(p) + out for p, out in zip(prompts, harvest.so_far(state, row_ids))]
+          state = switch_to_model_free(state, texts, groups, extras, row_ids, plan, buckets,
+                                       rules)
+          context_sizes = state.context.sizes
+        else:
+          head = draft_head(params, config, spec.vocab_ids)
+          state = switch_to_speculation(params, config, spec, state, plan,
+                                        drafter_prefill_len(longest_live, plan, buckets),
+                                        attention_impl, rules)
     chunk_start_generated = generated
     speculating = isinstance(state, speculative.SpecState)
     window = chunk_window(longest_live, chunk_steps, spec if speculating else None, plan,
@@ -431,7 +514,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
         played = (live_rows, strategy, time.perf_counter(), compiled_programs())
       state = speculative.spec_chunk(params, spec.drafter, head, spec.vocab_ids, state,
                                      strategy=strategy, chunk_steps=chunk_steps,
-                                     window=window,
+                                     window=window, ngram_config=spec.ngram_config,
                                      draft_temperature_ratio=spec.draft_temperature_ratio,
                                      rules=rules, **static)
       strategy_chunks[strategy.name] += 1
@@ -462,10 +545,14 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
   }
   if spec is not None:
     verify_steps, spec_tokens = int(harvest.spec_steps.sum()), int(harvest.spec_tokens.sum())
+    accept_len = spec_tokens / verify_steps if verify_steps else 0.0
     stats.update({"spec/strategy": ",".join(s.name for s in spec.strategies),
+                  "spec/drafter": spec.kind,
+                  "spec/accept_len_by_drafter": {spec.kind: accept_len},
+                  "spec/context_sizes": context_sizes,
                   "spec/strategy_chunks": dict(strategy_chunks),
                   "spec/verify_steps": verify_steps,
-                  "spec/accept_len": spec_tokens / verify_steps if verify_steps else 0.0,
+                  "spec/accept_len": accept_len,
                   "spec/enabled_frac": spec_tokens / generated if generated else 0.0,
                   "spec/on_at_s": spec_on_at})
     if spec.bandit is not None:

@@ -14,6 +14,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
+from tlt_jax.errors import UserInputError
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import draft_head
 from tlt_jax.models.kv_cache import init_cache
@@ -39,6 +40,10 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
   distinct prompts per prefill group), whatever their lengths.
   Returns how many programs were new. A bandit's state is left untouched."""
   check_attention_impl(attention_impl)
+  if spec is not None and spec.drafter is None:
+    # Its programs are also keyed by the draft context's sizes, which the groups decide.
+    raise UserInputError("--precompile: not yet supported with model-free drafting "
+                         "(--drafter=ngram)")
   before = compiled_programs()
   plan = plan_rollout(prompts, max_new_tokens, config, buckets, spec, eos_ids, min_row_tokens)
   params, spec = place_rollout(params, config, spec, rules)

@@ -16,16 +16,22 @@ warmed-up drafter). Which drafts a sampled tree keeps may not depend on their dr
 (see `_propose`), so under sampling the tree's shape is fixed before the step's draws:
 by each row's acceptance rates so far per level and draw rank (`_rank_scores`).
 
+Model-free (`ngram.py`): a chain of the tokens that followed the row's longest suffix match
+in its group's text, verified by the same pass and the same rules (greedy: the target
+argmax; sampling: recursive rejection of point masses). Every draft source gives a
+`VerifyTree`, the one layout the verify pass and acceptance read.
+
 State between steps (per row): the target cache holds committed tokens; the pending token
 x_L (emitted, not yet run) is `base.last_tokens`; the drafter cache holds slots 0..L-2 and
 the pairs it still has to consume are `pend_*` (the accepted path with its true target
-hidden states), so the drafter always conditions on real target features.
+hidden states), so the drafter always conditions on real target features. Model-free
+speculation has no drafter state (those fields are None) and a `context` instead.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import flax.struct
 import jax
@@ -37,6 +43,7 @@ from tlt_jax.models.drafter import (DrafterParams, draft_logits, drafter_forward
 from tlt_jax.models.kv_cache import KVCache
 from tlt_jax.models.transformer import Params, forward_new_kv, lm_logits
 from tlt_jax.rollout.decode import DecodeState, emit, lay_out
+from tlt_jax.rollout import ngram
 from tlt_jax.rollout.acceptance import recursive_rejection
 from tlt_jax.rollout.sampling import (SamplingParams, argmax, policy_logprobs,
                                       processed_logprobs)
@@ -50,7 +57,8 @@ _DEPTH_TIEBREAK = 1e-3
 @flax.struct.dataclass
 class SpecState:
   base: DecodeState
-  draft_cache: KVCache
+  # The learned drafter's state: None when drafting is model-free.
+  draft_cache: KVCache | None
   pend_tokens: jax.Array     # [B, pend_width]: max depth over the rollout's strategies + 1
   pend_hidden: jax.Array     # [B, pend_width, E]
   pend_count: jax.Array      # [B]
@@ -62,6 +70,18 @@ class SpecState:
   # their own rates, so pooled counts would fit every tree to a mixture.
   rank_tries: dict[str, jax.Array]
   rank_accepts: dict[str, jax.Array]
+  context: ngram.DraftContext | None = None   # model-free drafting's token pool
+
+
+class VerifyTree(NamedTuple):
+  """What one verify pass checks, from any draft source: verify index 0 is the root (the
+  pending token), parents precede children, siblings in the order acceptance tries them."""
+  tokens: jax.Array        # [B, V]
+  depths: jax.Array        # [B, V]: 0 for the root
+  parents: jax.Array       # [B, V]: verify index of each node's parent (the root's: 0)
+  mask: jax.Array          # [B, V, V]: node i attends to node j (its ancestors and itself)
+  draft_probs: jax.Array | None   # [B, V, vocab]: q each node's children were drawn from;
+                                  # None: point masses (and greedy, which reads no q)
 
 
 def pending_width(strategies: Sequence[SpecStrategy]) -> int:
@@ -125,6 +145,16 @@ def start_speculation(params: Params, drafter: DrafterParams, base: DecodeState,
                    pend_count=jnp.ones((b,), jnp.int32), spec_steps=zeros, spec_tokens=zeros,
                    rank_tries=counts(_PRIOR_TRIES), rank_accepts=counts(_PRIOR_ACCEPTS)),
                  rules)
+
+
+def start_model_free(base: DecodeState, context: ngram.DraftContext,
+                     rules: MeshRules | None = None) -> SpecState:
+  """Model-free speculation from a decode state: no drafter state, no prefill; `context`
+  holds every row's text so far (`ngram.build_context`)."""
+  zeros = lambda: jnp.zeros(base.done.shape, jnp.int32)   # two buffers: both are donated
+  return lay_out(SpecState(base=base, draft_cache=None, pend_tokens=None, pend_hidden=None,
+                           pend_count=None, spec_steps=zeros(), spec_tokens=zeros(),
+                           rank_tries={}, rank_accepts={}, context=context), rules)
 
 
 def _rank_scores(tries: jax.Array, accepts: jax.Array) -> jax.Array:
@@ -276,18 +306,39 @@ def _accept_greedy(logits, tokens, parents, node_depth, depth):
   return num_accepted, path, jnp.take_along_axis(choice, path, axis=1)
 
 
-def _accept_sampled(key, logits, tokens, parents, sel, draft_probs, vocab_ids, strategy,
-                    sampling):
-  """Recursive rejection over the verified tree, with each parent's draw distribution q."""
+def _verified_draft_probs(draft_probs, sel, vocab_ids, vocab_size):
+  """The q each verified node's children were drawn from [B, V, vocab] (see `_grow_tree`)."""
   # draft_probs row of each verified node: 0 for the root, 1 + n for node n. Nodes of the
   # last level have no children and no row of their own; their q is never read.
   rows = jnp.concatenate([jnp.zeros_like(sel[:, :1]),
                           jnp.minimum(1 + sel, draft_probs.shape[1] - 1)], axis=1)
   q = jnp.take_along_axis(draft_probs, rows[:, :, None], axis=1)       # [B, V, Vd]
   if vocab_ids is not None:   # q lives on the draft vocabulary: scatter it to the full one
-    q = jnp.zeros(q.shape[:2] + logits.shape[-1:], q.dtype).at[..., vocab_ids].set(q)
-  p = jnp.exp(processed_logprobs(logits, sampling))
-  return recursive_rejection(key, p, q, tokens, parents, strategy.depth, strategy.topk)
+    q = jnp.zeros(q.shape[:2] + (vocab_size,), q.dtype).at[..., vocab_ids].set(q)
+  return q
+
+
+def _learned_tree(key, params, drafter, head, vocab_ids, config, strategy, sampling,
+                  attention_impl, rules, state: SpecState) -> tuple[SpecState, VerifyTree]:
+  """The drafter's tree (`_grow_tree`), cut to its best `verify_tokens` nodes."""
+  state, node_tokens, node_parents, node_scores, ancestors, draft_probs = _grow_tree(
+      key, params, drafter, head, vocab_ids, config, strategy, sampling, attention_impl,
+      rules, state)
+  tokens, depths, parents, mask, sel = _select_verify_set(
+      strategy, node_tokens, node_parents, node_scores, ancestors, state.base.last_tokens)
+  q = (None if draft_probs is None else
+       _verified_draft_probs(draft_probs, sel, vocab_ids, config.vocab_size))
+  return state, VerifyTree(tokens, depths, parents, mask, q)
+
+
+def _chain_tree(root: jax.Array, drafts: jax.Array) -> VerifyTree:
+  """The root [B] followed by a chain of point-mass drafts [B, D]."""
+  b, d = drafts.shape
+  steps = jnp.broadcast_to(jnp.arange(d + 1, dtype=jnp.int32), (b, d + 1))
+  causal = jnp.tril(jnp.ones((d + 1, d + 1), bool))
+  return VerifyTree(tokens=jnp.concatenate([root[:, None], drafts], axis=1), depths=steps,
+                    parents=jnp.maximum(steps - 1, 0),
+                    mask=jnp.broadcast_to(causal, (b, d + 1, d + 1)), draft_probs=None)
 
 
 def _count_ranks(state: SpecState, strategy: SpecStrategy, tries: jax.Array,
@@ -300,13 +351,15 @@ def _count_ranks(state: SpecState, strategy: SpecStrategy, tries: jax.Array,
                        rank_accepts=add(state.rank_accepts, accepts))
 
 
-def spec_step(params: Params, drafter: DrafterParams, head: jax.Array,
+def spec_step(params: Params, drafter: DrafterParams | None, head: jax.Array | None,
               vocab_ids: jax.Array | None, state: SpecState, *, config: ModelConfig,
               strategy: SpecStrategy, sampling: SamplingParams, eos_ids: tuple[int, ...],
-              max_new_tokens: int, draft_temperature_ratio: float = 1.0,
-              attention_impl: str = "auto", rules: MeshRules | None = None) -> SpecState:
+              max_new_tokens: int, ngram_config: ngram.NgramConfig | None = None,
+              draft_temperature_ratio: float = 1.0, attention_impl: str = "auto",
+              rules: MeshRules | None = None) -> SpecState:
   """Draft a tree, verify it in one target pass, commit the accepted path plus a bonus.
 
+  ngram_config: draft model-free (a chain from `state.context`) instead of with `drafter`.
   Sampled tree drafts (topk > 1) come from the drafter at `draft_temperature_ratio` times
   the sampling temperature (top-p / top-k as given); rejection sampling reads the same q,
   so any ratio is exact and only acceptance changes. A chain's single draft passes most
@@ -315,25 +368,28 @@ def spec_step(params: Params, drafter: DrafterParams, head: jax.Array,
   depth = strategy.depth
   live = ~base.done
   key, draft_key, accept_key = jax.random.split(base.key, 3)
-  ratio = draft_temperature_ratio if strategy.topk > 1 else 1.0
-  draft_sampling = dataclasses.replace(sampling, temperature=sampling.temperature * ratio)
-  state, node_tokens, node_parents, node_scores, ancestors, draft_probs = _grow_tree(
-      draft_key, params, drafter, head, vocab_ids, config, strategy, draft_sampling,
-      attention_impl, rules, state)
-  tokens, node_depth, parents, mask, sel = _select_verify_set(
-      strategy, node_tokens, node_parents, node_scores, ancestors, base.last_tokens)
+  if ngram_config is None:
+    ratio = draft_temperature_ratio if strategy.topk > 1 else 1.0
+    draft_sampling = dataclasses.replace(sampling, temperature=sampling.temperature * ratio)
+    state, tree = _learned_tree(draft_key, params, drafter, head, vocab_ids, config, strategy,
+                                draft_sampling, attention_impl, rules, state)
+  else:
+    tree = _chain_tree(base.last_tokens, ngram.propose_chain(state.context, depth, ngram_config))
 
   committed = base.cache.lengths
-  hidden, new_k, new_v = forward_new_kv(params, config, tokens,
-                                        committed[:, None] + node_depth, base.cache, mask,
+  hidden, new_k, new_v = forward_new_kv(params, config, tree.tokens,
+                                        committed[:, None] + tree.depths, base.cache, tree.mask,
                                         rules, attention_impl)
   logits = lm_logits(params, config, hidden, rules)                    # [B, V, vocab]
-  if draft_probs is None:
-    num_accepted, path, emitted = _accept_greedy(logits, tokens, parents, node_depth, depth)
+  if sampling.greedy:
+    num_accepted, path, emitted = _accept_greedy(logits, tree.tokens, tree.parents,
+                                                 tree.depths, depth)
   else:
-    num_accepted, path, emitted, tries, accepts = _accept_sampled(
-        accept_key, logits, tokens, parents, sel, draft_probs, vocab_ids, strategy, sampling)
-    state = _count_ranks(state, strategy, tries, accepts, live)
+    p = jnp.exp(processed_logprobs(logits, sampling))
+    num_accepted, path, emitted, tries, accepts = recursive_rejection(
+        accept_key, p, tree.draft_probs, tree.tokens, tree.parents, depth, strategy.topk)
+    if ngram_config is None:
+      state = _count_ranks(state, strategy, tries, accepts, live)
   in_path = jnp.arange(depth + 1)[None, :] <= num_accepted[:, None]
 
   # Only the path's K/V enter the cache, in consecutive slots (the rest of the tree is
@@ -341,7 +397,6 @@ def spec_step(params: Params, drafter: DrafterParams, head: jax.Array,
   take_path = lambda new: jnp.take_along_axis(new, path[None, :, :, None, None], axis=2)
   cache = base.cache.write_after_committed(take_path(new_k), take_path(new_v))
 
-  path_hidden = jnp.take_along_axis(hidden, path[:, :, None], axis=1)
   path_logits = jnp.take_along_axis(logits, path[:, :, None], axis=1)
   emitted_logprobs = jnp.take_along_axis(policy_logprobs(path_logits, sampling),
                                          emitted[:, :, None], axis=2)[..., 0]
@@ -351,46 +406,52 @@ def spec_step(params: Params, drafter: DrafterParams, head: jax.Array,
   for j in range(depth + 1):
     base = emit(base, emitted[:, j], emitted_logprobs[:, j], ~base.done & in_path[:, j] & live,
                 eos_ids, max_new_tokens)
+  new_tokens = base.num_generated - generated_before
+  state = state.replace(base=base, spec_steps=state.spec_steps + live,
+                        spec_tokens=state.spec_tokens + new_tokens)
+  if ngram_config is not None:
+    return state.replace(context=ngram.append(state.context, emitted, new_tokens))
   # Pending pairs are padded to the rollout's pend width (shared by all its strategies).
   pad = state.pend_tokens.shape[1] - (depth + 1)
-  return state.replace(
-      base=base, pend_tokens=jnp.pad(emitted, ((0, 0), (0, pad))),
-      pend_hidden=jnp.pad(path_hidden, ((0, 0), (0, pad), (0, 0))),
-      pend_count=num_accepted + 1,
-      spec_steps=state.spec_steps + live,
-      spec_tokens=state.spec_tokens + (base.num_generated - generated_before))
+  path_hidden = jnp.take_along_axis(hidden, path[:, :, None], axis=1)
+  return state.replace(pend_tokens=jnp.pad(emitted, ((0, 0), (0, pad))),
+                       pend_hidden=jnp.pad(path_hidden, ((0, 0), (0, pad), (0, 0))),
+                       pend_count=num_accepted + 1)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "strategy", "sampling", "eos_ids",
                                              "max_new_tokens", "chunk_steps", "window",
-                                             "draft_temperature_ratio", "attention_impl",
-                                             "rules"),
+                                             "ngram_config", "draft_temperature_ratio",
+                                             "attention_impl", "rules"),
                    donate_argnames=("state",))
-def spec_chunk(params: Params, drafter: DrafterParams, head: jax.Array,
+def spec_chunk(params: Params, drafter: DrafterParams | None, head: jax.Array | None,
                vocab_ids: jax.Array | None, state: SpecState, *, config: ModelConfig,
                strategy: SpecStrategy,
                sampling: SamplingParams, eos_ids: tuple[int, ...], max_new_tokens: int,
                chunk_steps: int, window: int | None = None,
+               ngram_config: ngram.NgramConfig | None = None,
                draft_temperature_ratio: float = 1.0, attention_impl: str = "auto",
                rules: MeshRules | None = None) -> SpecState:
   """Up to `chunk_steps` speculative steps in one program; stops when all rows are done.
 
   head: `draft_head(params, config, vocab_ids)`, made once per rollout by the caller (its
   column gather of a 16k draft vocabulary takes ~11 ms on a 2-core CPU, ten drafting levels).
+  Model-free (`ngram_config` given): drafter, head and vocab_ids are None.
 
   window: both caches are cut to their first `window` slots for the chunk (the caller
   guarantees every write of the chunk lands inside); None is the whole cache.
   """
   full_cache, full_draft_cache = state.base.cache, state.draft_cache
+  learned = full_draft_cache is not None
   if window is not None:
     state = state.replace(base=state.base.replace(cache=full_cache.window(window)),
-                          draft_cache=full_draft_cache.window(window))
+                          draft_cache=full_draft_cache.window(window) if learned else None)
 
   def step(carry):
     i, s = carry
     return i + 1, spec_step(params, drafter, head, vocab_ids, s, config=config,
                             strategy=strategy, sampling=sampling, eos_ids=eos_ids,
-                            max_new_tokens=max_new_tokens,
+                            max_new_tokens=max_new_tokens, ngram_config=ngram_config,
                             draft_temperature_ratio=draft_temperature_ratio,
                             attention_impl=attention_impl, rules=rules)
 
@@ -401,5 +462,6 @@ def spec_chunk(params: Params, drafter: DrafterParams, head: jax.Array,
   state = jax.lax.while_loop(cond, step, (jnp.int32(0), state))[1]
   if window is not None:
     state = state.replace(base=state.base.replace(cache=full_cache.put_window(state.base.cache)),
-                          draft_cache=full_draft_cache.put_window(state.draft_cache))
+                          draft_cache=(full_draft_cache.put_window(state.draft_cache)
+                                       if learned else None))
   return lay_out(state, rules)
