@@ -31,8 +31,12 @@ _TOP_K = flags.DEFINE_integer("top_k", 0, "Top-k sampling; 0 disables.", lower_b
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _CHAT = flags.DEFINE_bool("chat", False, "Wrap string prompts in the model's chat template.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
-_DRAFTER = flags.DEFINE_string("drafter", None, "Drafter dir (from experiments.train_drafter): "
-                               "enables speculative decoding for the tail.")
+_DRAFTER = flags.DEFINE_string(
+    "drafter", None, "Enables speculative decoding for the tail: a drafter dir (from "
+    "experiments.train_drafter), or 'ngram' for model-free drafts (n-gram matches in the "
+    "text of the prompt's group: rows with equal prompts).")
+_MAX_NGRAM = flags.DEFINE_integer("max_ngram", None, "--drafter=ngram: longest suffix matched "
+                                  "(default: tlt_jax.rollout.ngram.NgramConfig's).")
 _STRATEGY = flags.DEFINE_string(
     "strategy", "4_1_5", "SD strategy DEPTH_TOPK_VERIFYTOKENS, or a comma-separated pool of "
     "them: a bandit (BEG-MAB) then picks one per chunk by live batch size.")
@@ -91,17 +95,33 @@ def tokenize_prompts(prompts: list, tokenizer, vocab_size: int, chat: bool) -> l
   return token_lists
 
 
+def model_free_spec(strategy_choice: dict):
+  """The SD configuration of --drafter=ngram (None for any other --drafter): it needs no
+  model, so its flags are checked before the model loads."""
+  from tlt_jax.rollout.engine import SpecConfig
+  from tlt_jax.rollout.ngram import NgramConfig
+
+  if _DRAFTER.value != "ngram":
+    return None
+  ngram_config = NgramConfig() if _MAX_NGRAM.value is None else NgramConfig(_MAX_NGRAM.value)
+  return SpecConfig(ngram_config=ngram_config, threshold=_SD_THRESHOLD.value,
+                    patience=_SD_PATIENCE.value, **strategy_choice)
+
+
 def load_spec(config, dtype, strategy_choice: dict):
   """The SD configuration from --drafter/--strategy/--sd_*; None when SD is off."""
   from tlt_jax.drafter.trainer import speculation_config
 
   sd_flags = [f for f in ("strategy", "sd_threshold", "sd_patience", "bandit_epsilon",
-                          "bandit_window", "bandit_state", "draft_temperature_ratio")
+                          "bandit_window", "bandit_state", "draft_temperature_ratio",
+                          "max_ngram")
               if flags.FLAGS[f].present]
   if _DRAFTER.value is None:
     if sd_flags:
       raise UserInputError(f"--{sd_flags[0]} needs --drafter (speculative decoding is off)")
     return None
+  if _MAX_NGRAM.value is not None:
+    raise UserInputError("--max_ngram needs --drafter=ngram")
   return speculation_config(_DRAFTER.value, config, dtype, threshold=_SD_THRESHOLD.value,
                             patience=_SD_PATIENCE.value, **strategy_choice,
                             **({} if _DRAFT_TEMPERATURE_RATIO.value is None else
@@ -155,6 +175,7 @@ def main(argv):
   # Cheap checks before the model loads: a bad flag should not cost a minute.
   strategy_choice = strategy_flags()
   SpecConfig.validate_schedule(_SD_THRESHOLD.value, _SD_PATIENCE.value)
+  spec = model_free_spec(strategy_choice)
   prompts = read_prompts(_PROMPTS.value)
   cli.check_output_file(_OUTPUT.value, "--output_json")
   if _BANDIT_STATE.value:
@@ -163,7 +184,8 @@ def main(argv):
   print(f"loading {_MODEL.value} ...", file=sys.stderr)
   model = load_model(_MODEL.value, dtype=jnp.dtype(_DTYPE.value))
   load_s = time.perf_counter() - start
-  spec = load_spec(model.config, jnp.dtype(_DTYPE.value), strategy_choice)
+  if spec is None:
+    spec = load_spec(model.config, jnp.dtype(_DTYPE.value), strategy_choice)
   token_lists = tokenize_prompts(prompts, model.tokenizer, model.config.vocab_size, _CHAT.value)
   eos_ids = set(model.config.eos_token_ids)
   if model.tokenizer is not None:

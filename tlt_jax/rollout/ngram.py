@@ -5,8 +5,10 @@ of the other rows of its group (GRPO samples of one prompt repeat each other's f
 steps, and siblings ahead of it have already written what it is about to), and extra token
 lists from the caller (earlier epochs' responses to the prompt). Each verify step matches
 the row's last `max_ngram` tokens against every position of those entries, takes the
-longest match (then the one with the most tokens after it, then the latest), and proposes
-the tokens that follow it as a chain. The draft is a point mass that depends only on text
+longest match (then the latest position: recent text predicts best, and a sibling ahead of
+the row has later positions), and proposes the tokens that follow it as a chain, repeating
+them when the chain outruns them (a row that cycles, matched in its own text, continues
+the cycle). The draft is a point mass that depends only on text
 emitted in earlier steps, never on this step's draws, so verification stays exact
 (`acceptance.recursive_rejection` with no q).
 
@@ -105,12 +107,14 @@ def propose_chain(context: DraftContext, depth: int, config: NgramConfig) -> jax
   position = jnp.arange(length)
   following = context.lengths[jnp.maximum(context.members, 0)][..., None] - 1 - position
   usable = member_ok[..., None] & (match > 0) & (following > 0)
-  score = (match * (depth + 1) + jnp.minimum(following, depth)) * length + position
-  best = jnp.argmax(jnp.where(usable, score, -1).reshape(score.shape[0], -1), axis=1)
+  score = jnp.where(usable, match * length + position, -1).reshape(entries.shape[0], -1)
+  best = jnp.argmax(score, axis=1)
   member, end = best // length, best % length
   chosen = jnp.take_along_axis(entries, member[:, None, None], axis=1)[:, 0]   # [B, L]
-  after = jnp.minimum(end[:, None] + 1 + jnp.arange(depth)[None, :], length - 1)
-  return jnp.take_along_axis(chosen, after, axis=1)
+  period = jnp.maximum(jnp.take_along_axis(following.reshape(score.shape), best[:, None],
+                                           axis=1), 1)
+  after = end[:, None] + 1 + jnp.arange(depth)[None, :] % period
+  return jnp.take_along_axis(chosen, jnp.clip(after, 0, length - 1), axis=1)
 
 
 def append(context: DraftContext, tokens: jax.Array, counts: jax.Array) -> DraftContext:

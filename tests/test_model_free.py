@@ -1,0 +1,167 @@
+"""Model-free (n-gram) speculative decoding is lossless: greedy token identity with plain
+decoding for batches of GRPO-style groups, the point-mass acceptance rule emits p, and
+sampling with sibling drafts keeps plain sampling's joint distribution."""
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.test_speculative import GREEDY, _model, _prompts
+from tlt_jax.errors import UserInputError
+from tlt_jax.models import transformer
+from tlt_jax.rollout.acceptance import recursive_rejection
+from tlt_jax.rollout.buckets import BucketSpec
+from tlt_jax.rollout.engine import SpecConfig, generate
+from tlt_jax.rollout.ngram import NgramConfig
+from tlt_jax.rollout.sampling import SamplingParams, processed_logprobs
+from tlt_jax.rollout.strategy import SpecStrategy
+
+MODEL_FREE = SpecConfig(ngram_config=NgramConfig(max_ngram=3), strategy=SpecStrategy(4, 1, 5),
+                        threshold=8, patience=2)
+
+
+def _forward_logprobs(params, config, prompt, output):
+  """Raw (T=1) log-probs of `output` after `prompt` from one full forward pass."""
+  sequence = jnp.asarray([prompt + output], jnp.int32)
+  hidden = transformer.forward_packed(params, config, sequence,
+                                      jnp.arange(sequence.shape[1])[None],
+                                      jnp.zeros_like(sequence))
+  logprobs = jax.nn.log_softmax(transformer.lm_logits(params, config, hidden)[0], axis=-1)
+  steps = np.arange(len(prompt) - 1, sequence.shape[1] - 1)
+  return np.asarray(logprobs)[steps, output]
+
+
+@pytest.mark.parametrize("group_size", [4, 8])
+def test_model_free_greedy_is_token_identical(group_size):
+  """Groups of equal prompts of different lengths; rows stop at different caps, so the batch
+  of 16 compacts to 8 before SD switches on and to smaller buckets while it runs. With
+  G = 8 each row also gets an earlier epoch's response (the plain output of its group's
+  last row, the longest) as draft context."""
+  config, params, _ = _model(97, seed=2)
+  lengths = (5, 9, 3, 12) if group_size == 4 else (7, 11)
+  prompts = [p for p in _prompts(97, lengths, seed=4) for _ in range(group_size)]
+  caps = [6 + 3 * i for i in range(len(prompts))]
+  plain = generate(params, config, prompts, max_new_tokens=caps, sampling=GREEDY,
+                   eos_ids=(96,))
+  earlier = None
+  if group_size == 8:
+    last = lambda i: i - i % group_size + group_size - 1
+    earlier = [plain.outputs[last(i)].token_ids for i in range(len(prompts))]
+  sd = generate(params, config, prompts, max_new_tokens=caps, sampling=GREEDY, eos_ids=(96,),
+                spec=MODEL_FREE, chunk_steps=4, draft_context=earlier)
+  for prompt, a, b in zip(prompts, plain.outputs, sd.outputs):
+    assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+    np.testing.assert_allclose(b.logprobs, _forward_logprobs(params, config, prompt,
+                                                             b.token_ids), atol=1e-4)
+  stats = sd.stats
+  on_at = stats["spec/on_at_s"]
+  assert on_at is not None and stats["spec/verify_steps"] > 0
+  buckets = stats["rollout/batch_buckets"]
+  assert buckets[:2] == [16, 8] and len(buckets) >= 3   # compacted again during SD
+  assert stats["spec/drafter"] == "ngram"
+  assert stats["spec/accept_len_by_drafter"]["ngram"] == stats["spec/accept_len"]
+  # The repeated greedy text of a group (and the earlier responses) is drafted correctly.
+  assert stats["spec/accept_len"] > (3.0 if earlier else 1.5), stats["spec/accept_len"]
+  entries = 16 if earlier is None else 32    # the rows' own texts, then the extras
+  assert stats["spec/context_sizes"] == {"entries": entries, "length": 128,
+                                         "members": 2 * group_size if earlier else group_size}
+
+
+@pytest.mark.parametrize("proposals", [1, 2, 3, 4])
+def test_point_mass_acceptance_emits_p(proposals):
+  """A root with `proposals` distinct point-mass children (tried in order), each with one
+  point-mass child: the first emitted token follows p, and the second, where the first was
+  an accepted draft, follows that child's p. 60000 walks: chi-square at p >= 0.001 then
+  catches a 2% total-variation shift (its statistic would be ~100 on 5 degrees of freedom)."""
+  from scipy.stats import chisquare
+  vocab, n = 6, 60_000
+  sampling = SamplingParams(temperature=1.0, top_k=5)   # 5 tokens: some never proposed
+  k_p, k_child, k_walk = jax.random.split(jax.random.key(proposals), 3)
+  p = jnp.exp(processed_logprobs(1.5 * jax.random.normal(k_p, (vocab,)), sampling))
+  p_child = jnp.exp(processed_logprobs(1.5 * jax.random.normal(k_child, (vocab,)), sampling))
+  # Distinct proposals, the second most likely token first: some of each pass and fail.
+  first = jnp.argsort(-p)[jnp.array([1, 0, 2, 3])[:proposals]].astype(jnp.int32)
+  second = (first + 1) % vocab
+  tokens = jnp.broadcast_to(jnp.concatenate([jnp.zeros(1, jnp.int32), first, second]),
+                            (n, 1 + 2 * proposals))
+  parents = jnp.array([0] + [0] * proposals + list(range(1, proposals + 1)))
+  target = jnp.stack([p] + [p_child] * proposals + [p] * proposals)
+  num_accepted, _, emitted, tries, accepts = recursive_rejection(
+      k_walk, jnp.broadcast_to(target, (n,) + target.shape), None, tokens,
+      jnp.broadcast_to(parents, tokens.shape), 2, proposals)
+  num_accepted, emitted = np.asarray(num_accepted), np.asarray(emitted)
+  # Drafts were both accepted and rejected, each tried in order until one passed.
+  assert 0.02 < np.mean(num_accepted >= 1) < 0.98
+  assert np.all(np.diff(np.asarray(tries)[:, 0], axis=1) <= 0)
+  assert np.all(np.asarray(accepts).sum(axis=2) <= 1)
+  for position, dist, rows in ((0, p, slice(None)), (1, p_child, num_accepted >= 1)):
+    observed = np.bincount(emitted[rows, position], minlength=vocab)
+    expected = np.asarray(dist, np.float64) * observed.sum()
+    inside = expected > 0
+    assert observed[~inside].sum() == 0            # never outside p's support
+    _, p_value = chisquare(observed[inside], expected[inside] / expected[inside].sum()
+                           * observed.sum())
+    assert p_value >= 1e-3, (position, p_value)
+
+
+def _first_tokens(params, config, spec, seed, sampling, rows, group_size=8):
+  """The first 3 of 6 tokens of `rows` samples of a repetitive prompt, in groups. Rows go
+  on past the third token so that, in the verify steps that emit it, a row that fell behind
+  its siblings can draft what they wrote."""
+  result = generate(params, config, [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2]] * rows, max_new_tokens=6,
+                    sampling=sampling, seed=seed, spec=spec,
+                    buckets=BucketSpec(batch_buckets=(rows,), cache_page=32),
+                    group_ids=[i // group_size for i in range(rows)])
+  return [tuple(o.token_ids[:3]) for o in result.outputs], result.stats
+
+
+def test_model_free_sampling_matches_plain_joint_distribution(monkeypatch):
+  """Chi-square homogeneity of the first 3 tokens' joint distribution (216 cells), model-free
+  SD vs plain sampling, 16384 samples each (a 2% total-variation shift over ~100 populated
+  cells gives a statistic well past the 0.001 level). Drafts come from the repetitive
+  prompt and the siblings' text, and are often accepted and often rejected."""
+  from scipy.stats import chi2_contingency
+  from tlt_jax.rollout import engine
+  monkeypatch.setattr(engine, "MAX_SD_THRESHOLD", 4096)   # SD on for the whole batch
+  config, params, _ = _model(6, seed=11)
+  sampling = SamplingParams(temperature=0.5)
+  spec = SpecConfig(ngram_config=NgramConfig(), strategy=SpecStrategy(2, 1, 3), threshold=4096,
+                    patience=0)
+  plain, sd = collections.Counter(), collections.Counter()
+  accept_lens = []
+  for seed in range(4):
+    plain.update(_first_tokens(params, config, None, seed, sampling, 4096)[0])
+    tokens, stats = _first_tokens(params, config, spec, 1000 + seed, sampling, 4096)
+    sd.update(tokens)
+    accept_lens.append(stats["spec/accept_len"])
+  # Each verify step emits 1 (first draft rejected) to 3 tokens; siblings' text helps.
+  assert 1.3 < np.mean(accept_lens) < 2.0, accept_lens
+  alone = _first_tokens(params, config, spec, 1000, sampling, 4096, group_size=1)[1]
+  assert alone["spec/accept_len"] + 0.01 < accept_lens[0], (alone, accept_lens)
+  cells = sorted(set(plain) | set(sd))
+  table = np.array([[plain[c] for c in cells], [sd[c] for c in cells]])
+  table = table[:, table.sum(0) >= 5]
+  _, p_value, _, _ = chi2_contingency(table)
+  assert p_value >= 1e-3, p_value
+
+
+def test_model_free_bad_input_is_one_line():
+  config, params, drafter = _model(8)
+  run = lambda **kwargs: generate(params, config, [[1, 2], [3, 4, 5]], max_new_tokens=2,
+                                  sampling=GREEDY, **kwargs)
+  with pytest.raises(UserInputError, match="group_ids: expected 2 integers"):
+    run(spec=MODEL_FREE, group_ids=[0])
+  with pytest.raises(UserInputError, match="draft_context: expected 2 lists"):
+    run(spec=MODEL_FREE, draft_context=[[1, 2]])
+  with pytest.raises(UserInputError, match=r"draft_context: expected 2 lists .* \[0, 8\)"):
+    run(spec=MODEL_FREE, draft_context=[[1, 2], [9]])
+  with pytest.raises(UserInputError, match="draft_context: needs model-free"):
+    run(draft_context=[[1], [2]])
+  with pytest.raises(UserInputError, match="model-free drafting proposes chains"):
+    SpecConfig(ngram_config=NgramConfig(), strategy=SpecStrategy(3, 2, 5))
+  with pytest.raises(UserInputError, match="exactly one of drafter and ngram_config"):
+    SpecConfig(drafter=drafter, ngram_config=NgramConfig(), strategy=SpecStrategy(3, 1, 4))
+  with pytest.raises(UserInputError, match="--max_ngram=0"):
+    NgramConfig(max_ngram=0)
