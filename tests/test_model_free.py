@@ -2,6 +2,7 @@
 decoding for batches of GRPO-style groups, the point-mass acceptance rule emits p, and
 sampling with sibling drafts keeps plain sampling's joint distribution."""
 import collections
+import os
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from tlt_jax.rollout.ngram import NgramConfig
 from tlt_jax.rollout.sampling import SamplingParams, processed_logprobs
 from tlt_jax.rollout.strategy import SpecStrategy
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_FREE = SpecConfig(ngram_config=NgramConfig(max_ngram=3), strategy=SpecStrategy(4, 1, 5),
                         threshold=8, patience=2)
 
@@ -136,15 +138,16 @@ def test_model_free_sampling_matches_plain_joint_distribution(monkeypatch):
     tokens, stats = _first_tokens(params, config, spec, 1000 + seed, sampling, 4096)
     sd.update(tokens)
     accept_lens.append(stats["spec/accept_len"])
-  # Each verify step emits 1 (first draft rejected) to 3 tokens; siblings' text helps.
-  assert 1.3 < np.mean(accept_lens) < 2.0, accept_lens
-  alone = _first_tokens(params, config, spec, 1000, sampling, 4096, group_size=1)[1]
-  assert alone["spec/accept_len"] + 0.01 < accept_lens[0], (alone, accept_lens)
   cells = sorted(set(plain) | set(sd))
   table = np.array([[plain[c] for c in cells], [sd[c] for c in cells]])
   table = table[:, table.sum(0) >= 5]
   _, p_value, _, _ = chi2_contingency(table)
   assert p_value >= 1e-3, p_value
+  # Each verify step emits 1 (first draft rejected) to 3 tokens; siblings' text helps.
+  assert 1.3 < np.mean(accept_lens) < 2.0, accept_lens
+  alone = _first_tokens(params, config, spec, 1000, sampling, 4096, group_size=1)[1]
+  assert alone["spec/accept_len"] + 0.01 < accept_lens[0], (alone["spec/accept_len"],
+                                                            accept_lens)
 
 
 def test_model_free_bad_input_is_one_line():
@@ -165,3 +168,35 @@ def test_model_free_bad_input_is_one_line():
     SpecConfig(drafter=drafter, ngram_config=NgramConfig(), strategy=SpecStrategy(3, 1, 4))
   with pytest.raises(UserInputError, match="--max_ngram=0"):
     NgramConfig(max_ngram=0)
+
+
+def test_generate_cli_drafter_ngram(tiny_hf_dirs, tmp_path):
+  """`--drafter=ngram`: the greedy output of plain decoding (groups of equal prompts draft
+  from each other) and model-free stats; a tree strategy is one line, exit 2."""
+  import json
+  import subprocess
+  import sys
+
+  from tlt_jax.models.loading import load_model
+  prompts = [[5, 6, 7, 5, 6], [5, 6, 7, 5, 6], [9, 10, 11, 12], [9, 10, 11, 12]]
+  (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+  run = lambda *flags: subprocess.run(
+      [sys.executable, "-m", "experiments.generate", f"--model={tiny_hf_dirs['llama']}",
+       f"--prompts_json={tmp_path / 'prompts.json'}", f"--output_json={tmp_path / 'out.json'}",
+       "--max_new_tokens=16", "--temperature=0", "--drafter=ngram", *flags],
+      cwd=REPO, capture_output=True, text=True, timeout=600)
+  proc = run("--strategy=3_1_4", "--sd_threshold=4", "--sd_patience=0", "--max_ngram=2")
+  assert proc.returncode == 0, proc.stderr
+  result = json.loads((tmp_path / "out.json").read_text())
+  model = load_model(tiny_hf_dirs["llama"])
+  plain = generate(model.params, model.config, prompts, max_new_tokens=16, sampling=GREEDY,
+                   eos_ids=tuple(model.config.eos_token_ids))
+  assert [o["token_ids"] for o in result["outputs"]] == [o.token_ids for o in plain.outputs]
+  stats = result["stats"]
+  assert stats["spec/drafter"] == "ngram" and stats["spec/verify_steps"] > 0
+  assert stats["spec/context_sizes"]["members"] == 2
+  (tmp_path / "out.json").unlink()
+  bad = run("--strategy=3_2_5")
+  errors = [line for line in bad.stderr.splitlines() if line.startswith("error:")]
+  assert bad.returncode == 2 and len(errors) == 1 and "proposes chains" in errors[0], bad.stderr
+  assert not (tmp_path / "out.json").exists()
