@@ -23,7 +23,7 @@ def test_attention_windows_cover_every_window_the_engine_picks():
       assert BUCKETS.attention_windows(low, cache_len) == want
 
 
-def check_rollouts_after_precompile_compile_nothing(use_spec: bool) -> None:
+def check_rollouts_after_precompile_compile_nothing(spec_kind: str) -> None:
   """The check itself; `test_rollouts_after_precompile_compile_nothing` runs it apart."""
   import jax
   import numpy as np
@@ -33,6 +33,7 @@ def check_rollouts_after_precompile_compile_nothing(use_spec: bool) -> None:
   from tlt_jax.models.config import ModelConfig
   from tlt_jax.rollout.bandit import BanditConfig, StrategyBandit, parse_strategies
   from tlt_jax.rollout.engine import SpecConfig, generate, plan_rollout
+  from tlt_jax.rollout.ngram import NgramConfig
   from tlt_jax.rollout.precompile import precompile
   from tlt_jax.rollout.sampling import SamplingParams
 
@@ -44,15 +45,23 @@ def check_rollouts_after_precompile_compile_nothing(use_spec: bool) -> None:
   prompts_of = lambda lengths, seed: [
       np.random.RandomState(seed * 100 + i).randint(0, config.vocab_size, n).tolist()
       for i, n in enumerate(lengths)]
-  spec = None
+  spec, use_spec, pool = None, spec_kind != "none", "2_1_3,3_2_5"
+  model_free = {}
+  if spec_kind == "ngram":
+    # Groups of 3 rows, two with an earlier response: the draft context's shapes key the
+    # programs too.
+    pool = "2_1_3,4_1_5"
+    model_free = dict(group_ids=[i // 3 for i in range(9)],
+                      draft_context=[[1, 2, 3]] * 2 + [[]] * 7)
   if use_spec:
     # epsilon=1: each chunk plays a random strategy, so every one of them comes up.
-    bandit = StrategyBandit(BanditConfig(parse_strategies("2_1_3,3_2_5"), epsilon=1.0, seed=3))
-    spec = SpecConfig(drafter=drafter_lib.init_drafter_params(config, jax.random.key(1)),
-                      bandit=bandit, threshold=4, patience=1)
+    bandit = StrategyBandit(BanditConfig(parse_strategies(pool), epsilon=1.0, seed=3))
+    drafter = (dict(ngram_config=NgramConfig()) if spec_kind == "ngram" else
+               dict(drafter=drafter_lib.init_drafter_params(config, jax.random.key(1))))
+    spec = SpecConfig(bandit=bandit, threshold=4, patience=1, **drafter)
   kwargs = dict(max_new_tokens=[60, 5, 40, 9, 2, 33, 12, 60, 20],
                 sampling=SamplingParams(temperature=0.0), eos_ids=(7,), buckets=BUCKETS,
-                chunk_steps=3, spec=spec)
+                chunk_steps=3, spec=spec, **model_free)
   prompts = prompts_of((5, 9, 3, 12, 7, 4, 6, 8, 10), seed=0)
   assert precompile(params, config, prompts, **kwargs) > 0
   if use_spec:
@@ -74,13 +83,13 @@ def check_rollouts_after_precompile_compile_nothing(use_spec: bool) -> None:
       assert result.stats["spec/verify_steps"] > 0
       strategies_played.update(result.stats["spec/strategy_chunks"])
   if use_spec:
-    assert strategies_played == {"2_1_3", "3_2_5"}
+    assert strategies_played == set(pool.split(","))
 
 
-@pytest.mark.parametrize("use_spec", [False, True])
-def test_rollouts_after_precompile_compile_nothing(use_spec):
+@pytest.mark.parametrize("spec_kind", ["none", "learned", "ngram"])
+def test_rollouts_after_precompile_compile_nothing(spec_kind):
   code = ("from tests.test_precompile import check_rollouts_after_precompile_compile_nothing "
-          f"as check; check({use_spec})")
+          f"as check; check({spec_kind!r})")
   env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
   proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
                         text=True, timeout=900)

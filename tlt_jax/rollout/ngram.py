@@ -67,7 +67,9 @@ def build_context(texts: Sequence[Sequence[int]], groups: Sequence[int],
                   row_entries: np.ndarray, length: int) -> DraftContext:
   """The pool on the host: entry e holds texts[e] and belongs to group groups[e]; batch row
   r owns entry row_entries[r] (-1: no prompt, a padding row) and reads every entry of its
-  group. length: the entry length, at least the longest text any entry will grow to."""
+  group. length: the entry length, at least the longest text any entry will grow to.
+  The shapes depend on the entries and groups alone, not on which rows are still in the
+  batch, so `precompile` can build the same programs."""
   pool = np.zeros((_power_of_two(len(texts)), length), np.int32)
   lengths = np.zeros((pool.shape[0],), np.int32)
   for e, text in enumerate(texts):
@@ -76,7 +78,8 @@ def build_context(texts: Sequence[Sequence[int]], groups: Sequence[int],
   groups = np.asarray(groups)
   rows = [[] if e < 0 else [e] + [f for f in np.flatnonzero(groups == groups[e]) if f != e]
           for e in row_entries]
-  members = np.full((len(rows), _power_of_two(max(map(len, rows)))), -1, np.int32)
+  widest_group = np.unique(groups, return_counts=True)[1].max()
+  members = np.full((len(rows), _power_of_two(widest_group)), -1, np.int32)
   for r, entries in enumerate(rows):
     members[r, :len(entries)] = entries
   return DraftContext(tokens=jnp.asarray(pool), lengths=jnp.asarray(lengths),

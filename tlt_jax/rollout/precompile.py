@@ -13,8 +13,8 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from tlt_jax.errors import UserInputError
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import draft_head
 from tlt_jax.models.kv_cache import init_cache
@@ -22,8 +22,9 @@ from tlt_jax.models.transformer import Params
 from tlt_jax.rollout import decode, speculative
 from tlt_jax.rollout.buckets import BucketSpec
 from tlt_jax.rollout.engine import (SpecConfig, check_attention_impl, chunk_reach,
-                                    compiled_programs, place_rollout, plan_rollout,
-                                    switch_to_speculation, take_rows)
+                                    compiled_programs, draft_groups, place_rollout,
+                                    plan_rollout, switch_to_model_free, switch_to_speculation,
+                                    take_rows)
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.sharding.rules import MeshRules
 
@@ -34,19 +35,20 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
                buckets: BucketSpec = BucketSpec(), chunk_steps: int = 16,
                rules: MeshRules | None = None, spec: SpecConfig | None = None,
                compact: bool = True, attention_impl: str = "auto",
-               min_row_tokens: int = 0) -> int:
+               min_row_tokens: int = 0, group_ids: Sequence[int] | None = None,
+               draft_context: Sequence[Sequence[int]] | None = None) -> int:
   """Compiles every program `generate` can dispatch with these arguments, for any prompts
   that give the same rollout plan (batch bucket, padded prompt length, cache length,
-  distinct prompts per prefill group), whatever their lengths.
+  distinct prompts per prefill group; model-free: the same pool shapes from group_ids and
+  draft_context), whatever their lengths.
   Returns how many programs were new. A bandit's state is left untouched."""
   check_attention_impl(attention_impl)
-  if spec is not None and spec.drafter is None:
-    # Its programs are also keyed by the draft context's sizes, which the groups decide.
-    raise UserInputError("--precompile: not yet supported with model-free drafting "
-                         "(--drafter=ngram)")
   before = compiled_programs()
   plan = plan_rollout(prompts, max_new_tokens, config, buckets, spec, eos_ids, min_row_tokens)
+  # Model-free programs are also keyed by the draft context's sizes, which these decide.
+  groups, extras = draft_groups(prompts, group_ids, draft_context, spec, config.vocab_size)
   params, spec = place_rollout(params, config, spec, rules)
+  learned = spec is not None and spec.drafter is not None
   static = dict(config=config, sampling=sampling, eos_ids=plan.eos_ids,
                 max_new_tokens=plan.max_new_tokens, attention_impl=attention_impl)
   dtype = params["embed"].dtype
@@ -66,7 +68,7 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
   fresh_state = lambda: decode.empty_state(
       init_cache(config, start, plan.cache_len, dtype, rules, per_layer=True),
       jnp.ones((start,), jnp.int32), jnp.zeros((start,), bool), jax.random.key(0),
-      max_new_tokens=plan.max_new_tokens, keep_hidden=spec is not None,
+      max_new_tokens=plan.max_new_tokens, keep_hidden=learned,
       hidden_size=config.hidden_size, rules=rules)
   group_rows = buckets.prefill_group_rows(start)
   prefill = lambda state, count, width: decode.prefill_rows(
@@ -86,12 +88,15 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
                                       rules=rules, **static)
 
   if spec_batches:
-    head = draft_head(params, config, spec.vocab_ids)
+    head = draft_head(params, config, spec.vocab_ids) if learned else None
     # The switch can come at any longest live row, 1..cache_len: every `drafter_prefill_len`.
-    prefill_lens = buckets.attention_windows(1, plan.cache_len)
+    prefill_lens = buckets.attention_windows(1, plan.cache_len) if learned else []
     spec_states = {}
     for b in spec_batches:
       state = states.pop(b)
+      if not learned:   # the pool's shapes depend neither on its text nor on the rows left
+        spec_states[b] = switch_to_model_free(state, [[0]] * len(prompts), groups, extras,
+                                              np.full((b,), -1), plan, buckets, rules)
       for length in prefill_lens:
         # Each switch donates its state: all but the last switch from a copy.
         source = state if length == prefill_lens[-1] else jax.tree.map(jnp.copy, state)
@@ -103,7 +108,7 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
         for strategy in spec.strategies:
           spec_states[b] = speculative.spec_chunk(
               params, spec.drafter, head, spec.vocab_ids, spec_states[b], strategy=strategy,
-              chunk_steps=chunk_steps, window=window,
+              chunk_steps=chunk_steps, window=window, ngram_config=spec.ngram_config,
               draft_temperature_ratio=spec.draft_temperature_ratio, rules=rules, **static)
     jax.block_until_ready(spec_states)
   jax.block_until_ready(states)

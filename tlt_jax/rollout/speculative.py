@@ -57,11 +57,11 @@ _DEPTH_TIEBREAK = 1e-3
 @flax.struct.dataclass
 class SpecState:
   base: DecodeState
-  # The learned drafter's state: None when drafting is model-free.
+  # draft_cache and pend_*: the learned drafter's state, None when drafting is model-free.
   draft_cache: KVCache | None
-  pend_tokens: jax.Array     # [B, pend_width]: max depth over the rollout's strategies + 1
-  pend_hidden: jax.Array     # [B, pend_width, E]
-  pend_count: jax.Array      # [B]
+  pend_tokens: jax.Array | None     # [B, pend_width]: max depth over the strategies + 1
+  pend_hidden: jax.Array | None     # [B, pend_width, E]
+  pend_count: jax.Array | None      # [B]
   spec_steps: jax.Array      # [B] verify steps taken while live
   spec_tokens: jax.Array     # [B] tokens emitted by those steps
   # Sampled trees only: how often the walk tried / accepted a child, by its level and draw
