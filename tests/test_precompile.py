@@ -49,22 +49,23 @@ def check_rollouts_after_precompile_compile_nothing(spec_kind: str) -> None:
   model_free = {}
   if spec_kind == "ngram":
     # Groups of 3 rows, two with an earlier response: the draft context's shapes key the
-    # programs too.
-    pool = "2_1_3,4_1_5"
+    # programs too. One strategy: the bandit's programs are the learned case's.
+    pool = "3_1_4"
     model_free = dict(group_ids=[i // 3 for i in range(9)],
                       draft_context=[[1, 2, 3]] * 2 + [[]] * 7)
-  if use_spec:
+    spec = SpecConfig(ngram_config=NgramConfig(), strategy=parse_strategies(pool)[0],
+                      threshold=4, patience=1)
+  elif use_spec:
     # epsilon=1: each chunk plays a random strategy, so every one of them comes up.
     bandit = StrategyBandit(BanditConfig(parse_strategies(pool), epsilon=1.0, seed=3))
-    drafter = (dict(ngram_config=NgramConfig()) if spec_kind == "ngram" else
-               dict(drafter=drafter_lib.init_drafter_params(config, jax.random.key(1))))
-    spec = SpecConfig(bandit=bandit, threshold=4, patience=1, **drafter)
+    spec = SpecConfig(drafter=drafter_lib.init_drafter_params(config, jax.random.key(1)),
+                      bandit=bandit, threshold=4, patience=1)
   kwargs = dict(max_new_tokens=[60, 5, 40, 9, 2, 33, 12, 60, 20],
                 sampling=SamplingParams(temperature=0.0), eos_ids=(7,), buckets=BUCKETS,
                 chunk_steps=3, spec=spec, **model_free)
   prompts = prompts_of((5, 9, 3, 12, 7, 4, 6, 8, 10), seed=0)
   assert precompile(params, config, prompts, **kwargs) > 0
-  if use_spec:
+  if spec is not None and spec.bandit is not None:
     assert spec.bandit.summary() == StrategyBandit(spec.bandit.config).summary()  # untouched
   assert precompile(params, config, prompts, **kwargs) == 0
   plan = plan_rollout(prompts, kwargs["max_new_tokens"], config, BUCKETS, spec, (7,))

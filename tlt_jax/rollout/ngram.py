@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tlt_jax.errors import UserInputError
+from tlt_jax.rollout.sampling import argmax
 from tlt_jax.sharding.rules import MeshRules, constrain
 
 
@@ -78,7 +79,7 @@ def build_context(texts: Sequence[Sequence[int]], groups: Sequence[int],
   groups = np.asarray(groups)
   rows = [[] if e < 0 else [e] + [f for f in np.flatnonzero(groups == groups[e]) if f != e]
           for e in row_entries]
-  widest_group = np.unique(groups, return_counts=True)[1].max()
+  widest_group = int(np.unique(groups, return_counts=True)[1].max())
   members = np.full((len(rows), _power_of_two(widest_group)), -1, np.int32)
   for r, entries in enumerate(rows):
     members[r, :len(entries)] = entries
@@ -111,7 +112,7 @@ def propose_chain(context: DraftContext, depth: int, config: NgramConfig) -> jax
   following = context.lengths[jnp.maximum(context.members, 0)][..., None] - 1 - position
   usable = member_ok[..., None] & (match > 0) & (following > 0)
   score = jnp.where(usable, match * length + position, -1).reshape(entries.shape[0], -1)
-  best = jnp.argmax(score, axis=1)
+  best = argmax(score)
   member, end = best // length, best % length
   chosen = jnp.take_along_axis(entries, member[:, None, None], axis=1)[:, 0]   # [B, L]
   period = jnp.maximum(jnp.take_along_axis(following.reshape(score.shape), best[:, None],
