@@ -24,15 +24,19 @@ MODEL_FREE = SpecConfig(ngram_config=NgramConfig(max_ngram=3), strategy=SpecStra
                         threshold=8, patience=2)
 
 
-def _forward_logprobs(params, config, prompt, output):
-  """Raw (T=1) log-probs of `output` after `prompt` from one full forward pass."""
-  sequence = jnp.asarray([prompt + output], jnp.int32)
-  hidden = transformer.forward_packed(params, config, sequence,
-                                      jnp.arange(sequence.shape[1])[None],
-                                      jnp.zeros_like(sequence))
-  logprobs = jax.nn.log_softmax(transformer.lm_logits(params, config, hidden)[0], axis=-1)
-  steps = np.arange(len(prompt) - 1, sequence.shape[1] - 1)
-  return np.asarray(logprobs)[steps, output]
+def _forward_logprobs(params, config, prompts, outputs):
+  """Raw (T=1) log-probs of each output after its prompt, from one full forward pass over
+  the right-padded sequences (padding comes after every scored token)."""
+  sequences = [p + o for p, o in zip(prompts, outputs)]
+  tokens = np.zeros((len(sequences), max(map(len, sequences))), np.int32)
+  for row, sequence in enumerate(sequences):
+    tokens[row, :len(sequence)] = sequence
+  positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
+  hidden = transformer.forward_packed(params, config, jnp.asarray(tokens), positions,
+                                      jnp.zeros_like(tokens))
+  logprobs = np.asarray(jax.nn.log_softmax(transformer.lm_logits(params, config, hidden), -1))
+  return [logprobs[row, np.arange(len(p) - 1, len(p) + len(o) - 1), o]
+          for row, (p, o) in enumerate(zip(prompts, outputs))]
 
 
 @pytest.mark.parametrize("group_size", [4, 8])
@@ -53,10 +57,11 @@ def test_model_free_greedy_is_token_identical(group_size):
     earlier = [plain.outputs[last(i)].token_ids for i in range(len(prompts))]
   sd = generate(params, config, prompts, max_new_tokens=caps, sampling=GREEDY, eos_ids=(96,),
                 spec=MODEL_FREE, chunk_steps=4, draft_context=earlier)
-  for prompt, a, b in zip(prompts, plain.outputs, sd.outputs):
+  for a, b in zip(plain.outputs, sd.outputs):
     assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
-    np.testing.assert_allclose(b.logprobs, _forward_logprobs(params, config, prompt,
-                                                             b.token_ids), atol=1e-4)
+  scored = _forward_logprobs(params, config, prompts, [o.token_ids for o in sd.outputs])
+  for output, want in zip(sd.outputs, scored):
+    np.testing.assert_allclose(output.logprobs, want, atol=1e-4)
   stats = sd.stats
   on_at = stats["spec/on_at_s"]
   assert on_at is not None and stats["spec/verify_steps"] > 0
