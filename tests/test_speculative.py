@@ -205,6 +205,15 @@ def test_drafter_prefill_at_the_switch_runs_only_the_live_context():
   np.testing.assert_array_equal(got.pend_hidden[:, 0], want_hidden)
 
 
+def homogeneity_p_value(a: collections.Counter, b: collections.Counter) -> float:
+  """Chi-square homogeneity p-value of two samples' counts, over the populated cells."""
+  from scipy.stats import chi2_contingency
+  cells = sorted(set(a) | set(b))
+  table = np.array([[a[c] for c in cells], [b[c] for c in cells]])
+  table = table[:, table.sum(0) >= 5]   # chi-square needs populated cells
+  return chi2_contingency(table)[1]
+
+
 def _first_tokens(params, config, spec, seed, sampling, rows=256, n=3):
   result = generate(params, config, [[1, 2, 3]] * rows, max_new_tokens=n, sampling=sampling,
                     seed=seed, spec=spec)
@@ -215,7 +224,6 @@ def _first_tokens(params, config, spec, seed, sampling, rows=256, n=3):
                                       SamplingParams(temperature=0.7, top_p=0.9)])
 def test_sd_sampling_matches_plain_joint_distribution(sampling):
   """Chi-square homogeneity of the first 3 tokens' joint distribution, SD vs plain."""
-  from scipy.stats import chi2_contingency
   config, params, drafter = _model(6, seed=11)
   spec = SpecConfig(drafter=drafter, strategy=SpecStrategy(2, 2, 4), threshold=256, patience=0)
   plain, sd = collections.Counter(), collections.Counter()
@@ -224,10 +232,7 @@ def test_sd_sampling_matches_plain_joint_distribution(sampling):
   for seed in range(48):
     plain.update(_first_tokens(params, config, None, seed, sampling))
     sd.update(_first_tokens(params, config, spec, 1000 + seed, sampling))
-  cells = sorted(set(plain) | set(sd))
-  table = np.array([[plain[c] for c in cells], [sd[c] for c in cells]])
-  table = table[:, table.sum(0) >= 5]   # chi-square needs populated cells
-  _, p_value, _, _ = chi2_contingency(table)
+  p_value = homogeneity_p_value(plain, sd)
   assert p_value >= 1e-3, p_value
 
 
@@ -315,7 +320,6 @@ def test_recursive_rejection_emits_p(temperature, top_p, q_kind, siblings):
 
 def test_sampled_chain_matches_plain_sampling():
   """A sampled chain (rejection rule) reproduces plain sampling's joint distribution."""
-  from scipy.stats import chi2_contingency
   config, params, drafter = _model(6, seed=13)
   spec = SpecConfig(drafter=drafter, strategy=SpecStrategy(3, 1, 4), threshold=256, patience=0)
   sampling = SamplingParams(temperature=1.0)
@@ -323,10 +327,7 @@ def test_sampled_chain_matches_plain_sampling():
   for seed in range(24):
     plain.update(_first_tokens(params, config, None, seed, sampling, n=4))
     sd.update(_first_tokens(params, config, spec, 1000 + seed, sampling, n=4))
-  cells = sorted(set(plain) | set(sd))
-  table = np.array([[plain[c] for c in cells], [sd[c] for c in cells]])
-  table = table[:, table.sum(0) >= 5]
-  _, p_value, _, _ = chi2_contingency(table)
+  p_value = homogeneity_p_value(plain, sd)
   assert p_value >= 1e-3, p_value
 
 

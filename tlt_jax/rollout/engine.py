@@ -7,9 +7,9 @@ once at most `sd_threshold` rows have stayed live for `sd_patience` steps, and (
 pool of strategies, lets the BEG-MAB bandit pick each SD chunk's strategy and scores it by
 the chunk's tokens per second. Drafts come from a learned drafter or, model-free, from
 each row's group text (`ngram.py`: its own, its siblings', the caller's `draft_context`).
-Every program is keyed by (batch bucket, cache length, strategy; model-free also the
-draft context's bucketed sizes): the set is finite, `compiled_programs()` reports how many exist, and
-`precompile` (precompile.py) builds a rollout's whole set before it starts.
+Every program is keyed by (batch bucket, cache length, strategy; model-free also the draft
+context's bucketed sizes): the set is finite, `compiled_programs()` reports how many
+exist, and `precompile` (precompile.py) builds a rollout's whole set before it starts.
 """
 from __future__ import annotations
 

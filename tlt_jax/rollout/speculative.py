@@ -374,7 +374,8 @@ def spec_step(params: Params, drafter: DrafterParams | None, head: jax.Array | N
     state, tree = _learned_tree(draft_key, params, drafter, head, vocab_ids, config, strategy,
                                 draft_sampling, attention_impl, rules, state)
   else:
-    tree = _chain_tree(base.last_tokens, ngram.propose_chain(state.context, depth, ngram_config))
+    drafts = ngram.propose_chain(state.context, depth, ngram_config)
+    tree = _chain_tree(base.last_tokens, drafts)
 
   committed = base.cache.lengths
   hidden, new_k, new_v = forward_new_kv(params, config, tree.tokens,
