@@ -39,6 +39,27 @@ def _forward_logprobs(params, config, prompts, outputs):
           for row, (p, o) in enumerate(zip(prompts, outputs))]
 
 
+def test_chain_follows_the_longest_latest_match_and_appends():
+  """Drafts are the tokens after the longest suffix match (then the latest position) among
+  the row's group, whose entries stay after their rows leave the batch (entry 1 here); a
+  cycle continues past the text it was matched in; a padding row (-1) writes nothing."""
+  from tlt_jax.rollout import ngram
+  prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+  texts = [prompt + [3], prompt + [3, 4, 1, 5, 6], [7, 7, 7], [9, 8]]
+  context = ngram.build_context(texts, [0, 0, 1, 2], np.array([0, 2, 3, -1]), 32)
+  assert context.sizes == {"entries": 4, "length": 32, "members": 2}
+  drafts = np.asarray(ngram.propose_chain(context, 3, NgramConfig(max_ngram=4)))
+  # Row 0's last 4 tokens "4 1 2 3" end at 6 of its own text and at 6 and 10 of its
+  # sibling's, which is ahead: the latest match gives its next tokens. Row 1: "7 7" cycles.
+  assert drafts[0].tolist() == [4, 1, 5] and drafts[1].tolist() == [7, 7, 7]
+  grown = ngram.append(context, jnp.array([[4, 1, 5]] * 4), jnp.array([2, 0, 1, 3]))
+  assert np.asarray(grown.lengths).tolist() == [13, 15, 3, 3]
+  assert np.asarray(grown.tokens)[0, 11:13].tolist() == [4, 1]
+  assert np.asarray(grown.tokens)[3, :3].tolist() == [9, 8, 4]
+  # Matched at the sibling's 12th token, two tokens follow, then the chain repeats them.
+  assert np.asarray(ngram.propose_chain(grown, 3, NgramConfig()))[0].tolist() == [5, 6, 5]
+
+
 @pytest.mark.parametrize("group_size", [4, 8])
 def test_model_free_greedy_is_token_identical(group_size):
   """Groups of equal prompts of different lengths; rows stop at different caps, so the batch
