@@ -1,5 +1,6 @@
 """A rollout replica sharded over a 2 x 2 (fsdp x tp) sub-mesh of 8 simulated CPU devices
-gives the tokens and log-probs of one device, plain and speculative (greedy, fp32).
+gives the tokens and log-probs of one device, plain and speculative (greedy, fp32; a
+learned drafter, and model-free).
 
 The device count is fixed before jax starts, so the check runs in a child process
 (`python -m tests.test_rollout_sharded`) with XLA_FLAGS set.
@@ -21,6 +22,7 @@ def _sharded_vs_single() -> dict:
   from tlt_jax.models.kv_cache import init_cache
   from tlt_jax.rollout import engine
   from tlt_jax.rollout.engine import SpecConfig, generate, place_rollout
+  from tlt_jax.rollout.ngram import NgramConfig
   from tlt_jax.rollout.sampling import SamplingParams
   from tlt_jax.rollout.strategy import SpecStrategy
   from tlt_jax.sharding.mesh import make_mesh
@@ -48,7 +50,7 @@ def _sharded_vs_single() -> dict:
   # The replica is a sub-mesh: the last four devices, none of them the default one.
   rules = MeshRules(make_mesh(fsdp=2, tp=2, devices=jax.devices()[4:]))
 
-  def run(rules):
+  def run(rules, spec=spec):
     before = len(compiles)
     result = generate(params, config, prompts, max_new_tokens=caps,
                       sampling=SamplingParams(temperature=0.0), chunk_steps=4, spec=spec,
@@ -69,6 +71,13 @@ def _sharded_vs_single() -> dict:
          "single_compiles": single_compiles, "sharded_compiles": sharded_compiles,
          "sharded_reported_programs": sharded.stats["compile/new_programs"],
          "again_compiles": run(rules)[3]}
+  # Model-free: the draft context's pool is replicated, its rows' member lists sharded.
+  model_free = SpecConfig(ngram_config=NgramConfig(), strategy=SpecStrategy(3, 1, 4),
+                          threshold=2, patience=2)
+  single, sharded = run(None, model_free), run(rules, model_free)
+  out.update(model_free_tokens_equal=single[1] == sharded[1],
+             model_free_spec_chunks=sharded[0].stats["decode_chunks/spec"],
+             model_free_compiles=(single[3], sharded[3]))
   placed, placed_spec = place_rollout(params, config, spec, rules)
   replica = {d.id for d in rules.mesh.devices.flat}
   out["wq_spec"] = str(placed["layers"][0]["wq"].sharding.spec)
@@ -95,6 +104,9 @@ def test_sharded_replica_matches_single_device():
   assert result["again_compiles"] == 0, result
   # The engine reports the programs it really built, not its dispatch-cache entries.
   assert result["sharded_reported_programs"] == result["sharded_compiles"], result
+  assert result["model_free_tokens_equal"] and result["model_free_spec_chunks"] > 0, result
+  single, sharded = result["model_free_compiles"]
+  assert single == sharded > 0, result
 
 
 if __name__ == "__main__":
