@@ -33,7 +33,7 @@ from tlt_jax.models.drafter import (DrafterParams, draft_head, drafter_logical_a
 from tlt_jax.models.kv_cache import KVCache, init_cache
 from tlt_jax.models.transformer import Params, unstack_layers
 from tlt_jax.pallas.tree_attention import IMPLS
-from tlt_jax.rollout import decode, ngram, speculative
+from tlt_jax.rollout import decode, hybrid as hybrid_lib, ngram, speculative
 from tlt_jax.rollout.bandit import StrategyBandit
 from tlt_jax.rollout.buckets import BucketSpec
 from tlt_jax.rollout.sampling import SamplingParams
@@ -49,8 +49,9 @@ DEFAULT_DRAFT_TEMPERATURE_RATIO = 0.7
 class SpecConfig:
   """Speculative decoding for the tail: on below `threshold` live rows for `patience` steps.
 
-  Drafts from a learned `drafter` or model-free (`ngram_config`: chains from the rows'
-  group text).
+  Drafts from a learned `drafter`, model-free (`ngram_config`: chains from the rows'
+  group text), or, with `hybrid`, from both: each row picks one per verify step
+  (`hybrid.py`).
   Either one fixed `strategy`, or a `bandit` that picks among its strategies per chunk by
   live batch size (and learns across the rollouts that share it)."""
   drafter: DrafterParams | None = None
@@ -66,14 +67,19 @@ class SpecConfig:
   # does not gain (4_1_5: 1.97 at 1, 1.91 at 0.7), so chains keep the sampling temperature.
   draft_temperature_ratio: float = DEFAULT_DRAFT_TEMPERATURE_RATIO
   ngram_config: ngram.NgramConfig | None = None
+  hybrid: hybrid_lib.HybridConfig | None = None   # needs drafter and ngram_config
 
   def __post_init__(self):
     if (self.strategy is None) == (self.bandit is None):
       raise UserInputError("SpecConfig: give exactly one of strategy and bandit")
-    if (self.drafter is None) == (self.ngram_config is None):
+    if self.hybrid is not None:
+      if self.drafter is None or self.ngram_config is None:
+        raise UserInputError("SpecConfig: hybrid drafting needs both drafter and ngram_config")
+    elif (self.drafter is None) == (self.ngram_config is None):
       raise UserInputError("SpecConfig: give exactly one of drafter and ngram_config")
     trees = [s.name for s in self.strategies if s.topk > 1]
     if self.ngram_config is not None and trees:
+      # A hybrid's two drafts share one verify shape, so its learned drafter draws chains too.
       raise UserInputError(f"--strategy={trees[0]}: model-free drafting proposes chains "
                            "(DEPTH_1_DEPTH+1)")
     self.validate_schedule(self.threshold, self.patience)
@@ -84,6 +90,8 @@ class SpecConfig:
   @property
   def kind(self) -> str:
     """The drafter kind, as stats name it."""
+    if self.hybrid is not None:
+      return "hybrid"
     return "learned" if self.ngram_config is None else "ngram"
 
   @property
@@ -162,6 +170,9 @@ class _Harvest:
     self.logprobs: list = [None] * num_prompts
     self.spec_steps = np.zeros((num_prompts,), np.int64)
     self.spec_tokens = np.zeros((num_prompts,), np.int64)
+    # Hybrid only: verify steps each drafter kind drafted, and the tokens they emitted.
+    self.kind_steps = np.zeros((num_prompts, len(hybrid_lib.KINDS)), np.int64)
+    self.kind_tokens = np.zeros((num_prompts, len(hybrid_lib.KINDS)), np.int64)
 
   def so_far(self, state, row_ids: np.ndarray) -> list[list[int]]:
     """Every prompt's tokens emitted so far: harvested, or still in `state`."""
@@ -180,6 +191,9 @@ class _Harvest:
     out_tokens, out_logprobs = np.asarray(base.out_tokens), np.asarray(base.out_logprobs)
     if speculating:
       spec_steps, spec_tokens = np.asarray(state.spec_steps), np.asarray(state.spec_tokens)
+    hybrid = state.hybrid if speculating else None
+    if hybrid is not None:
+      kind_steps, kind_tokens = np.asarray(hybrid.steps), np.asarray(hybrid.tokens)
     for row in np.flatnonzero(which):
       prompt = row_ids[row]
       if prompt >= 0 and self.tokens[prompt] is None:
@@ -187,6 +201,18 @@ class _Harvest:
         self.logprobs[prompt] = out_logprobs[row, :counts[row]].tolist()
         if speculating:
           self.spec_steps[prompt], self.spec_tokens[prompt] = spec_steps[row], spec_tokens[row]
+        if hybrid is not None:
+          self.kind_steps[prompt], self.kind_tokens[prompt] = kind_steps[row], kind_tokens[row]
+
+  def by_drafter(self, spec: SpecConfig) -> tuple[dict[str, float], dict[str, float]]:
+    """Per drafter kind: tokens per verify step it drafted, and its share of verify steps
+    (a hybrid's kinds split the steps; a single kind drafts them all)."""
+    ratio = lambda a, b: float(a / b) if b else 0.0
+    if spec.hybrid is None:
+      return {spec.kind: ratio(self.spec_tokens.sum(), self.spec_steps.sum())}, {spec.kind: 1.0}
+    steps, tokens = self.kind_steps.sum(0), self.kind_tokens.sum(0)
+    return ({k: ratio(t, n) for k, n, t in zip(hybrid_lib.KINDS, steps, tokens)},
+            {k: ratio(n, steps.sum()) for k, n in zip(hybrid_lib.KINDS, steps)})
 
 
 def _base(state) -> decode.DecodeState:
@@ -369,7 +395,8 @@ def draft_groups(prompts: Sequence[Sequence[int]], group_ids: Sequence[int] | No
   if draft_context is None:
     return list(group_ids), [[] for _ in prompts]
   if spec is None or spec.ngram_config is None:
-    raise UserInputError("draft_context: needs model-free drafting (--drafter=ngram)")
+    raise UserInputError("draft_context: needs model-free drafting (--drafter=ngram, or "
+                         "--hybrid)")
   is_tokens = lambda t: isinstance(t, (list, tuple, np.ndarray)) and all(
       isinstance(x, (int, np.integer)) and 0 <= x < vocab_size for x in t)
   if len(draft_context) != n or not all(is_tokens(t) for t in draft_context):
@@ -378,19 +405,16 @@ def draft_groups(prompts: Sequence[Sequence[int]], group_ids: Sequence[int] | No
   return list(group_ids), [list(t) for t in draft_context]
 
 
-def switch_to_model_free(state: decode.DecodeState, texts: Sequence[Sequence[int]],
-                         groups: Sequence[int], extras: Sequence[Sequence[int]],
-                         row_ids: np.ndarray, plan: RolloutPlan, buckets: BucketSpec,
-                         rules: MeshRules | None) -> speculative.SpecState:
-  """Model-free speculation: a pool of every prompt's text so far (texts; prompt i is entry
-  i, which batch rows find through row_ids) and the non-empty extras, each in its
-  prompt's group."""
+def draft_pool(texts: Sequence[Sequence[int]], groups: Sequence[int],
+               extras: Sequence[Sequence[int]], row_ids: np.ndarray, plan: RolloutPlan,
+               buckets: BucketSpec) -> ngram.DraftContext:
+  """The model-free pool: every prompt's text so far (texts; prompt i is entry i, which
+  batch rows find through row_ids) and the non-empty extras, each in its prompt's group."""
   with_extras = [i for i, extra in enumerate(extras) if extra]
   entries = list(texts) + [extras[i] for i in with_extras]
   length = max(plan.cache_len, buckets.cache_length(max(map(len, entries))))
-  context = ngram.build_context(entries, list(groups) + [groups[i] for i in with_extras],
-                                row_ids, length)
-  return speculative.start_model_free(state, context, rules)
+  return ngram.build_context(entries, list(groups) + [groups[i] for i in with_extras],
+                             row_ids, length)
 
 
 def place_rollout(params: Params, config: ModelConfig, spec: SpecConfig | None,
@@ -491,16 +515,19 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
         steps_below = 0
       if live_rows <= spec.threshold and steps_below >= spec.patience:
         spec_on_at = time.perf_counter() - start
-        if spec.drafter is None:
+        if spec.ngram_config is not None:
           texts = [list(p) + out for p, out in zip(prompts, harvest.so_far(state, row_ids))]
-          state = switch_to_model_free(state, texts, groups, extras, row_ids, plan, buckets,
-                                       rules)
-          context_sizes = state.context.sizes
+          pool = draft_pool(texts, groups, extras, row_ids, plan, buckets)
+          context_sizes = pool.sizes
+        if spec.drafter is None:
+          state = speculative.start_model_free(state, pool, rules)
         else:
           head = draft_head(params, config, spec.vocab_ids)
           state = switch_to_speculation(params, config, spec, state, plan,
                                         drafter_prefill_len(longest_live, plan, buckets),
                                         attention_impl, rules)
+          if spec.hybrid is not None:
+            state = speculative.add_model_free(state, pool, rules)
     chunk_start_generated = generated
     speculating = isinstance(state, speculative.SpecState)
     window = chunk_window(longest_live, chunk_steps, spec if speculating else None, plan,
@@ -515,6 +542,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
       state = speculative.spec_chunk(params, spec.drafter, head, spec.vocab_ids, state,
                                      strategy=strategy, chunk_steps=chunk_steps,
                                      window=window, ngram_config=spec.ngram_config,
+                                     hybrid=spec.hybrid,
                                      draft_temperature_ratio=spec.draft_temperature_ratio,
                                      rules=rules, **static)
       strategy_chunks[strategy.name] += 1
@@ -546,9 +574,12 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
   if spec is not None:
     verify_steps, spec_tokens = int(harvest.spec_steps.sum()), int(harvest.spec_tokens.sum())
     accept_len = spec_tokens / verify_steps if verify_steps else 0.0
+    accept_by_drafter, share_by_drafter = harvest.by_drafter(spec)
     stats.update({"spec/strategy": ",".join(s.name for s in spec.strategies),
                   "spec/drafter": spec.kind,
-                  "spec/accept_len_by_drafter": {spec.kind: accept_len},
+                  "spec/accept_len_by_drafter": accept_by_drafter,
+                  # The share of verify steps each drafter kind drafted (won, in a hybrid).
+                  "spec/verify_share_by_drafter": share_by_drafter,
                   "spec/context_sizes": context_sizes,
                   "spec/strategy_chunks": dict(strategy_chunks),
                   "spec/verify_steps": verify_steps,

@@ -22,8 +22,8 @@ from tlt_jax.models.transformer import Params
 from tlt_jax.rollout import decode, speculative
 from tlt_jax.rollout.buckets import BucketSpec
 from tlt_jax.rollout.engine import (SpecConfig, check_attention_impl, chunk_reach,
-                                    compiled_programs, draft_groups, place_rollout,
-                                    plan_rollout, switch_to_model_free, switch_to_speculation,
+                                    compiled_programs, draft_groups, draft_pool,
+                                    place_rollout, plan_rollout, switch_to_speculation,
                                     take_rows)
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.sharding.rules import MeshRules
@@ -94,14 +94,19 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
     spec_states = {}
     for b in spec_batches:
       state = states.pop(b)
-      if not learned:   # the pool's shapes depend neither on its text nor on the rows left
-        spec_states[b] = switch_to_model_free(state, [[0]] * len(prompts), groups, extras,
-                                              np.full((b,), -1), plan, buckets, rules)
+      # The pool's shapes depend neither on its text nor on the rows left.
+      pool = (None if spec.ngram_config is None else
+              draft_pool([[0]] * len(prompts), groups, extras, np.full((b,), -1), plan,
+                         buckets))
+      if not learned:
+        spec_states[b] = speculative.start_model_free(state, pool, rules)
       for length in prefill_lens:
         # Each switch donates its state: all but the last switch from a copy.
         source = state if length == prefill_lens[-1] else jax.tree.map(jnp.copy, state)
         spec_states[b] = switch_to_speculation(params, config, spec, source, plan, length,
                                                attention_impl, rules)
+      if spec.hybrid is not None:
+        spec_states[b] = speculative.add_model_free(spec_states[b], pool, rules)
     _compact_pairs(spec_states, spec_batches, rules)
     for b in spec_batches:
       for window in windows(spec):
@@ -109,6 +114,7 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
           spec_states[b] = speculative.spec_chunk(
               params, spec.drafter, head, spec.vocab_ids, spec_states[b], strategy=strategy,
               chunk_steps=chunk_steps, window=window, ngram_config=spec.ngram_config,
+              hybrid=spec.hybrid,
               draft_temperature_ratio=spec.draft_temperature_ratio, rules=rules, **static)
     jax.block_until_ready(spec_states)
   jax.block_until_ready(states)

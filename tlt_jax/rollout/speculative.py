@@ -26,6 +26,10 @@ x_L (emitted, not yet run) is `base.last_tokens`; the drafter cache holds slots 
 the pairs it still has to consume are `pend_*` (the accepted path with its true target
 hidden states), so the drafter always conditions on real target features. Model-free
 speculation has no drafter state (those fields are None) and a `context` instead.
+
+Hybrid (`hybrid.py`): both, and per row and step the learned tree or the model-free chain
+(`_hybrid_tree`), picked from earlier steps' outcomes by a small per-row bandit. Both
+drafts have one verify shape (chain strategies), so a pick compiles nothing.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ from tlt_jax.models.drafter import (DrafterParams, draft_logits, drafter_forward
 from tlt_jax.models.kv_cache import KVCache
 from tlt_jax.models.transformer import Params, forward_new_kv, lm_logits
 from tlt_jax.rollout.decode import DecodeState, emit, lay_out
+from tlt_jax.rollout import hybrid as hybrid_lib
 from tlt_jax.rollout import ngram
 from tlt_jax.rollout.acceptance import recursive_rejection
 from tlt_jax.rollout.sampling import (SamplingParams, argmax, policy_logprobs,
@@ -71,6 +76,7 @@ class SpecState:
   rank_tries: dict[str, jax.Array]
   rank_accepts: dict[str, jax.Array]
   context: ngram.DraftContext | None = None   # model-free drafting's token pool
+  hybrid: hybrid_lib.HybridStats | None = None   # hybrid drafting's per-row bandit
 
 
 class VerifyTree(NamedTuple):
@@ -157,6 +163,14 @@ def start_model_free(base: DecodeState, context: ngram.DraftContext,
                            rank_tries={}, rank_accepts={}, context=context), rules)
 
 
+def add_model_free(state: SpecState, context: ngram.DraftContext,
+                   rules: MeshRules | None = None) -> SpecState:
+  """Hybrid speculation: a learned drafter's state (`start_speculation`) that also drafts
+  model-free from `context`, each row picking per step (`hybrid.py`)."""
+  return lay_out(state.replace(context=context,
+                               hybrid=hybrid_lib.init_stats(state.base.done.shape[0])), rules)
+
+
 def _rank_scores(tries: jax.Array, accepts: jax.Array) -> jax.Array:
   """Log-probability that the walk accepts a node's rank-r draw, given that it reached the
   node, from each row's counts [B, levels, ranks]: log(a_r * prod_{j<r} (1 - a_j)), a_r
@@ -195,6 +209,17 @@ def _propose(key, logits, k, sampling, rank_scores):
   return jnp.broadcast_to(scores, ix.shape), ix, jnp.exp(logq)
 
 
+def _catch_up(params, drafter, config, attention_impl, rules, state: SpecState):
+  """The drafter runs the pending (accepted) pairs: its outputs [B, pend_width, E] and its
+  cache advanced past them. The pending width is the rollout's deepest strategy's, so
+  shallower ones pay a few padded slots."""
+  cache = state.draft_cache
+  positions = cache.lengths[:, None] + jnp.arange(state.pend_tokens.shape[1])[None, :]
+  hidden, cache = drafter_forward(drafter, params, config, state.pend_tokens, state.pend_hidden,
+                                  positions, cache, attention_impl=attention_impl, rules=rules)
+  return hidden, cache.advance(state.pend_count)
+
+
 def _grow_tree(key, params, drafter, head, vocab_ids, config, strategy, sampling,
                attention_impl, rules, state: SpecState):
   """Drafts `depth` levels of `topk` nodes. Node n sits at level n // topk (depth+1).
@@ -207,13 +232,8 @@ def _grow_tree(key, params, drafter, head, vocab_ids, config, strategy, sampling
   n_nodes = strategy.num_nodes
   to_token = (lambda ix: ix) if vocab_ids is None else (lambda ix: jnp.take(vocab_ids, ix))
 
-  # Catch up on the accepted pairs; the last one predicts the first level. The pending
-  # width is the rollout's deepest strategy's, so shallower ones pay a few padded slots.
-  cache = state.draft_cache
-  positions = cache.lengths[:, None] + jnp.arange(state.pend_tokens.shape[1])[None, :]
-  hidden, cache = drafter_forward(drafter, params, config, state.pend_tokens, state.pend_hidden,
-                                  positions, cache, attention_impl=attention_impl, rules=rules)
-  cache = cache.advance(state.pend_count)
+  # Catch up on the accepted pairs; the last one predicts the first level.
+  hidden, cache = _catch_up(params, drafter, config, attention_impl, rules, state)
   committed = cache.lengths
   rows = jnp.arange(b)
   root_hidden = hidden[rows, state.pend_count - 1]
@@ -341,6 +361,41 @@ def _chain_tree(root: jax.Array, drafts: jax.Array) -> VerifyTree:
                     mask=jnp.broadcast_to(causal, (b, d + 1, d + 1)), draft_probs=None)
 
 
+def _point_mass_probs(chain: VerifyTree, vocab_size: int) -> VerifyTree:
+  """A chain of point masses with its q written out: one-hot on each node's only child
+  (the leaf's row is never read). Recursive rejection reads it exactly as it reads
+  `draft_probs=None`, so a batch can mix these rows with a learned tree's."""
+  children = jnp.concatenate([chain.tokens[:, 1:], chain.tokens[:, -1:]], axis=1)
+  return chain._replace(draft_probs=jax.nn.one_hot(children, vocab_size, dtype=jnp.float32))
+
+
+def _hybrid_tree(key, params, drafter, head, vocab_ids, config, strategy, sampling,
+                 ngram_config, attention_impl, rules, state: SpecState,
+                 use_learned: jax.Array) -> tuple[SpecState, VerifyTree]:
+  """Per row, the learned drafter's tree where `use_learned` [B], else the model-free chain.
+
+  The drafter always catches up on the accepted pairs, so it conditions on every emitted
+  token whichever kind drafted it, but grows its tree only when a live row picked it:
+  a step all model-free pays no drafter head."""
+  chain = _chain_tree(state.base.last_tokens,
+                      ngram.propose_chain(state.context, strategy.depth, ngram_config))
+  if not sampling.greedy:
+    chain = _point_mass_probs(chain, config.vocab_size)
+
+  def learned(s):
+    return _learned_tree(key, params, drafter, head, vocab_ids, config, strategy, sampling,
+                         attention_impl, rules, s)
+
+  def model_free(s):
+    _, cache = _catch_up(params, drafter, config, attention_impl, rules, s)
+    return s.replace(draft_cache=cache), chain
+
+  state, drafted = jax.lax.cond(jnp.any(use_learned & ~state.base.done), learned, model_free,
+                                state)
+  pick = lambda a, b: jnp.where(use_learned.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
+  return state, jax.tree.map(pick, drafted, chain)
+
+
 def _count_ranks(state: SpecState, strategy: SpecStrategy, tries: jax.Array,
                  accepts: jax.Array, live: jax.Array) -> SpecState:
   """Adds one step's [B, depth, topk] try / accept counts of live rows to the statistics
@@ -355,11 +410,13 @@ def spec_step(params: Params, drafter: DrafterParams | None, head: jax.Array | N
               vocab_ids: jax.Array | None, state: SpecState, *, config: ModelConfig,
               strategy: SpecStrategy, sampling: SamplingParams, eos_ids: tuple[int, ...],
               max_new_tokens: int, ngram_config: ngram.NgramConfig | None = None,
+              hybrid: hybrid_lib.HybridConfig | None = None,
               draft_temperature_ratio: float = 1.0, attention_impl: str = "auto",
               rules: MeshRules | None = None) -> SpecState:
   """Draft a tree, verify it in one target pass, commit the accepted path plus a bonus.
 
-  ngram_config: draft model-free (a chain from `state.context`) instead of with `drafter`.
+  ngram_config: draft model-free (a chain from `state.context`) instead of with `drafter`;
+  with `hybrid` as well, each row picks one of the two per step (`hybrid.py`).
   Sampled tree drafts (topk > 1) come from the drafter at `draft_temperature_ratio` times
   the sampling temperature (top-p / top-k as given); rejection sampling reads the same q,
   so any ratio is exact and only acceptance changes. A chain's single draft passes most
@@ -368,9 +425,15 @@ def spec_step(params: Params, drafter: DrafterParams | None, head: jax.Array | N
   depth = strategy.depth
   live = ~base.done
   key, draft_key, accept_key = jax.random.split(base.key, 3)
-  if ngram_config is None:
-    ratio = draft_temperature_ratio if strategy.topk > 1 else 1.0
-    draft_sampling = dataclasses.replace(sampling, temperature=sampling.temperature * ratio)
+  learned = drafter is not None
+  ratio = draft_temperature_ratio if strategy.topk > 1 else 1.0
+  draft_sampling = dataclasses.replace(sampling, temperature=sampling.temperature * ratio)
+  if hybrid is not None:
+    use_learned = hybrid_lib.pick_learned(state.hybrid, hybrid, depth + 1)
+    state, tree = _hybrid_tree(draft_key, params, drafter, head, vocab_ids, config, strategy,
+                               draft_sampling, ngram_config, attention_impl, rules, state,
+                               use_learned)
+  elif learned:
     state, tree = _learned_tree(draft_key, params, drafter, head, vocab_ids, config, strategy,
                                 draft_sampling, attention_impl, rules, state)
   else:
@@ -389,8 +452,9 @@ def spec_step(params: Params, drafter: DrafterParams | None, head: jax.Array | N
     p = jnp.exp(processed_logprobs(logits, sampling))
     num_accepted, path, emitted, tries, accepts = recursive_rejection(
         accept_key, p, tree.draft_probs, tree.tokens, tree.parents, depth, strategy.topk)
-    if ngram_config is None:
-      state = _count_ranks(state, strategy, tries, accepts, live)
+    if learned:   # the rank statistics shape learned trees: only their steps count
+      state = _count_ranks(state, strategy, tries, accepts,
+                           live if hybrid is None else live & use_learned)
   in_path = jnp.arange(depth + 1)[None, :] <= num_accepted[:, None]
 
   # Only the path's K/V enter the cache, in consecutive slots (the rest of the tree is
@@ -411,7 +475,12 @@ def spec_step(params: Params, drafter: DrafterParams | None, head: jax.Array | N
   state = state.replace(base=base, spec_steps=state.spec_steps + live,
                         spec_tokens=state.spec_tokens + new_tokens)
   if ngram_config is not None:
-    return state.replace(context=ngram.append(state.context, emitted, new_tokens))
+    state = state.replace(context=ngram.append(state.context, emitted, new_tokens))
+  if hybrid is not None:
+    state = state.replace(hybrid=hybrid_lib.record(state.hybrid, hybrid, use_learned,
+                                                   new_tokens, live))
+  if not learned:
+    return state
   # Pending pairs are padded to the rollout's pend width (shared by all its strategies).
   pad = state.pend_tokens.shape[1] - (depth + 1)
   path_hidden = jnp.take_along_axis(hidden, path[:, :, None], axis=1)
@@ -422,7 +491,8 @@ def spec_step(params: Params, drafter: DrafterParams | None, head: jax.Array | N
 
 @functools.partial(jax.jit, static_argnames=("config", "strategy", "sampling", "eos_ids",
                                              "max_new_tokens", "chunk_steps", "window",
-                                             "ngram_config", "draft_temperature_ratio",
+                                             "ngram_config", "hybrid",
+                                             "draft_temperature_ratio",
                                              "attention_impl", "rules"),
                    donate_argnames=("state",))
 def spec_chunk(params: Params, drafter: DrafterParams | None, head: jax.Array | None,
@@ -431,13 +501,14 @@ def spec_chunk(params: Params, drafter: DrafterParams | None, head: jax.Array | 
                sampling: SamplingParams, eos_ids: tuple[int, ...], max_new_tokens: int,
                chunk_steps: int, window: int | None = None,
                ngram_config: ngram.NgramConfig | None = None,
+               hybrid: hybrid_lib.HybridConfig | None = None,
                draft_temperature_ratio: float = 1.0, attention_impl: str = "auto",
                rules: MeshRules | None = None) -> SpecState:
   """Up to `chunk_steps` speculative steps in one program; stops when all rows are done.
 
   head: `draft_head(params, config, vocab_ids)`, made once per rollout by the caller (its
   column gather of a 16k draft vocabulary takes ~11 ms on a 2-core CPU, ten drafting levels).
-  Model-free (`ngram_config` given): drafter, head and vocab_ids are None.
+  Model-free (`ngram_config` given, no `hybrid`): drafter, head and vocab_ids are None.
 
   window: both caches are cut to their first `window` slots for the chunk (the caller
   guarantees every write of the chunk lands inside); None is the whole cache.
@@ -453,7 +524,7 @@ def spec_chunk(params: Params, drafter: DrafterParams | None, head: jax.Array | 
     return i + 1, spec_step(params, drafter, head, vocab_ids, s, config=config,
                             strategy=strategy, sampling=sampling, eos_ids=eos_ids,
                             max_new_tokens=max_new_tokens, ngram_config=ngram_config,
-                            draft_temperature_ratio=draft_temperature_ratio,
+                            hybrid=hybrid, draft_temperature_ratio=draft_temperature_ratio,
                             attention_impl=attention_impl, rules=rules)
 
   def cond(carry):

@@ -1,0 +1,78 @@
+"""Hybrid drafting: per row and verify step, the learned drafter's draft or the model-free
+chain, whichever has emitted more tokens per unit time for that row so far.
+
+A small bandit per row over the two kinds. Each row counts, per kind, the verify steps it
+drafted and the tokens they emitted, discounted by `memory` every step so that a row
+follows its text (a sibling ahead makes n-gram drafts good; a new stretch of reasoning
+makes them bad). A kind's rate is its discounted tokens per step over its cost: a
+model-free step costs one verify pass, a learned one `1 + draft_cost` (its drafter tree).
+Both kinds start from an optimistic prior (every step emits the most a step can), so
+each is tried, and one not picked for a while drifts back to that prior and is tried
+again. Ties go to the model-free chain, the cheaper one.
+
+The pick reads only earlier steps' outcomes, never this step's draws: the verified draft
+is fixed before them, so verification stays exact whichever kind a row picks.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from tlt_jax.errors import UserInputError
+
+KINDS = ("learned", "ngram")   # the columns of `HybridStats`' [B, 2] counts
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridConfig:
+  # A learned draft's time in verify passes. DESIGN.md 4b (2-core CPU, SmolLM2, batch 1):
+  # a drafter step with an 8k draft vocabulary is 0.055 of a decode step and a 5-token
+  # verify 1.49, so a depth-4 chain is ~0.15-0.2 of its verify; a wider head costs more.
+  draft_cost: float = 0.2
+  # Per-step discount of a row's counts: ~10 steps of memory.
+  memory: float = 0.9
+
+  def __post_init__(self):
+    if not self.draft_cost >= 0:
+      raise UserInputError(f"hybrid draft_cost={self.draft_cost}: must be >= 0")
+    if not 0 <= self.memory < 1:
+      raise UserInputError(f"hybrid memory={self.memory}: must be in [0, 1)")
+
+
+@flax.struct.dataclass
+class HybridStats:
+  steps: jax.Array           # [B, 2] int32: verify steps each kind drafted (for stats)
+  tokens: jax.Array          # [B, 2] int32: tokens those steps emitted
+  recent_steps: jax.Array    # [B, 2] float32: the same, discounted (for the pick)
+  recent_tokens: jax.Array   # [B, 2] float32
+
+
+def init_stats(batch: int) -> HybridStats:
+  ints = lambda: jnp.zeros((batch, len(KINDS)), jnp.int32)
+  floats = lambda: jnp.zeros((batch, len(KINDS)), jnp.float32)
+  return HybridStats(steps=ints(), tokens=ints(), recent_steps=floats(),
+                     recent_tokens=floats())
+
+
+def pick_learned(stats: HybridStats, config: HybridConfig, most_tokens: int) -> jax.Array:
+  """[B] bool: the rows whose learned drafter has the higher rate. most_tokens: the most one
+  verify step can emit (depth + 1), the optimistic prior, weighted as one step."""
+  per_step = (stats.recent_tokens + most_tokens) / (stats.recent_steps + 1.0)
+  cost = jnp.array([1.0 + config.draft_cost, 1.0], jnp.float32)
+  rate = per_step / cost
+  return rate[:, 0] > rate[:, 1]
+
+
+def record(stats: HybridStats, config: HybridConfig, learned: jax.Array, emitted: jax.Array,
+           live: jax.Array) -> HybridStats:
+  """Adds one verify step: live rows drafted by the learned drafter where `learned`, else
+  model-free, and emitted `emitted` [B] tokens."""
+  used = jnp.stack([learned, ~learned], axis=1) & live[:, None]             # [B, 2]
+  gained = jnp.where(used, emitted[:, None], 0)
+  fade = jnp.where(live[:, None], config.memory, 1.0)
+  return HybridStats(steps=stats.steps + used, tokens=stats.tokens + gained,
+                     recent_steps=fade * stats.recent_steps + used,
+                     recent_tokens=fade * stats.recent_tokens + gained)
