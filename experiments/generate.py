@@ -35,8 +35,13 @@ _DRAFTER = flags.DEFINE_string(
     "drafter", None, "Enables speculative decoding for the tail: a drafter dir (from "
     "experiments.train_drafter), or 'ngram' for model-free drafts (n-gram matches in the "
     "text of the prompt's group: rows with equal prompts).")
-_MAX_NGRAM = flags.DEFINE_integer("max_ngram", None, "--drafter=ngram: longest suffix matched "
-                                  "(default: tlt_jax.rollout.ngram.NgramConfig's).")
+_MAX_NGRAM = flags.DEFINE_integer("max_ngram", None, "--drafter=ngram or --hybrid: longest "
+                                  "suffix matched (default: "
+                                  "tlt_jax.rollout.ngram.NgramConfig's).")
+_HYBRID = flags.DEFINE_bool(
+    "hybrid", False, "With --drafter=DIR: each row picks, per verify step, the learned "
+    "drafter's chain or a model-free one, whichever has emitted more tokens per unit time "
+    "for it so far (tlt_jax.rollout.hybrid).")
 _STRATEGY = flags.DEFINE_string(
     "strategy", "4_1_5", "SD strategy DEPTH_TOPK_VERIFYTOKENS, or a comma-separated pool of "
     "them: a bandit (BEG-MAB) then picks one per chunk by live batch size.")
@@ -95,22 +100,38 @@ def tokenize_prompts(prompts: list, tokenizer, vocab_size: int, chat: bool) -> l
   return token_lists
 
 
+def check_hybrid() -> None:
+  """--hybrid pairs a learned drafter with model-free drafts."""
+  if not _HYBRID.value:
+    return
+  if _DRAFTER.value is None:
+    raise UserInputError("--hybrid needs --drafter=DIR (a learned drafter to pair with "
+                         "model-free drafts)")
+  if _DRAFTER.value == "ngram":
+    raise UserInputError("--hybrid: --drafter=ngram is model-free alone; give a learned "
+                         "drafter dir")
+
+
+def ngram_config():
+  from tlt_jax.rollout.ngram import NgramConfig
+  return NgramConfig() if _MAX_NGRAM.value is None else NgramConfig(_MAX_NGRAM.value)
+
+
 def model_free_spec(strategy_choice: dict):
   """The SD configuration of --drafter=ngram (None for any other --drafter): it needs no
   model, so its flags are checked before the model loads."""
   from tlt_jax.rollout.engine import SpecConfig
-  from tlt_jax.rollout.ngram import NgramConfig
 
   if _DRAFTER.value != "ngram":
     return None
-  ngram_config = NgramConfig() if _MAX_NGRAM.value is None else NgramConfig(_MAX_NGRAM.value)
-  return SpecConfig(ngram_config=ngram_config, threshold=_SD_THRESHOLD.value,
+  return SpecConfig(ngram_config=ngram_config(), threshold=_SD_THRESHOLD.value,
                     patience=_SD_PATIENCE.value, **strategy_choice)
 
 
 def load_spec(config, dtype, strategy_choice: dict):
   """The SD configuration from --drafter/--strategy/--sd_*; None when SD is off."""
   from tlt_jax.drafter.trainer import speculation_config
+  from tlt_jax.rollout.hybrid import HybridConfig
 
   sd_flags = [f for f in ("strategy", "sd_threshold", "sd_patience", "bandit_epsilon",
                           "bandit_window", "bandit_state", "draft_temperature_ratio",
@@ -120,10 +141,11 @@ def load_spec(config, dtype, strategy_choice: dict):
     if sd_flags:
       raise UserInputError(f"--{sd_flags[0]} needs --drafter (speculative decoding is off)")
     return None
-  if _MAX_NGRAM.value is not None:
-    raise UserInputError("--max_ngram needs --drafter=ngram")
+  if _MAX_NGRAM.value is not None and not _HYBRID.value:
+    raise UserInputError("--max_ngram needs --drafter=ngram or --hybrid")
+  hybrid = dict(ngram_config=ngram_config(), hybrid=HybridConfig()) if _HYBRID.value else {}
   return speculation_config(_DRAFTER.value, config, dtype, threshold=_SD_THRESHOLD.value,
-                            patience=_SD_PATIENCE.value, **strategy_choice,
+                            patience=_SD_PATIENCE.value, **strategy_choice, **hybrid,
                             **({} if _DRAFT_TEMPERATURE_RATIO.value is None else
                                dict(draft_temperature_ratio=_DRAFT_TEMPERATURE_RATIO.value)))
 
@@ -173,6 +195,7 @@ def main(argv):
   sampling = SamplingParams(temperature=_TEMPERATURE.value, top_p=_TOP_P.value,
                             top_k=_TOP_K.value)
   # Cheap checks before the model loads: a bad flag should not cost a minute.
+  check_hybrid()
   strategy_choice = strategy_flags()
   SpecConfig.validate_schedule(_SD_THRESHOLD.value, _SD_PATIENCE.value)
   spec = model_free_spec(strategy_choice)

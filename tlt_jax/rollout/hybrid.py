@@ -6,9 +6,11 @@ drafted and the tokens they emitted, discounted by `memory` every step so that a
 follows its text (a sibling ahead makes n-gram drafts good; a new stretch of reasoning
 makes them bad). A kind's rate is its discounted tokens per step over its cost: a
 model-free step costs one verify pass, a learned one `1 + draft_cost` (its drafter tree).
-Both kinds start from an optimistic prior (every step emits the most a step can), so
-each is tried, and one not picked for a while drifts back to that prior and is tried
-again. Ties go to the model-free chain, the cheaper one.
+Both kinds start from an optimistic prior (every step emits the most a step can, with the
+weight of a tenth of a step), so each is tried at once, and one not picked for a while
+drifts back to that prior and is tried again: a kind emitting half the other's rate
+is retried about once in 14 steps (memory 0.95), a light exploration. Ties go to the
+model-free chain, the cheaper one.
 
 The pick reads only earlier steps' outcomes, never this step's draws: the verified draft
 is fixed before them, so verification stays exact whichever kind a row picks.
@@ -24,6 +26,7 @@ import jax.numpy as jnp
 from tlt_jax.errors import UserInputError
 
 KINDS = ("learned", "ngram")   # the columns of `HybridStats`' [B, 2] counts
+_PRIOR_STEPS = 0.1             # the optimistic prior's weight, in verify steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,8 +35,8 @@ class HybridConfig:
   # a drafter step with an 8k draft vocabulary is 0.055 of a decode step and a 5-token
   # verify 1.49, so a depth-4 chain is ~0.15-0.2 of its verify; a wider head costs more.
   draft_cost: float = 0.2
-  # Per-step discount of a row's counts: ~10 steps of memory.
-  memory: float = 0.9
+  # Per-step discount of a row's counts: ~20 steps of memory.
+  memory: float = 0.95
 
   def __post_init__(self):
     if not self.draft_cost >= 0:
@@ -59,8 +62,9 @@ def init_stats(batch: int) -> HybridStats:
 
 def pick_learned(stats: HybridStats, config: HybridConfig, most_tokens: int) -> jax.Array:
   """[B] bool: the rows whose learned drafter has the higher rate. most_tokens: the most one
-  verify step can emit (depth + 1), the optimistic prior, weighted as one step."""
-  per_step = (stats.recent_tokens + most_tokens) / (stats.recent_steps + 1.0)
+  verify step can emit (depth + 1), the optimistic prior."""
+  per_step = ((stats.recent_tokens + _PRIOR_STEPS * most_tokens)
+              / (stats.recent_steps + _PRIOR_STEPS))
   cost = jnp.array([1.0 + config.draft_cost, 1.0], jnp.float32)
   rate = per_step / cost
   return rate[:, 0] > rate[:, 1]

@@ -1,0 +1,136 @@
+"""Hybrid drafting (a per-row bandit over the learned drafter and model-free chains) is
+lossless: greedy token identity with plain decoding for groups with compaction mid-run,
+sampling keeps plain sampling's per-position marginals over 24 tokens while the rows'
+picks adapt, and the pick itself follows each row's tokens per unit cost."""
+import collections
+import json
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.test_model_free import REPO, _forward_logprobs
+from tests.test_speculative import GREEDY, _model, _prompts, homogeneity_p_value
+from tlt_jax.errors import UserInputError
+from tlt_jax.rollout import hybrid
+from tlt_jax.rollout.buckets import BucketSpec
+from tlt_jax.rollout.engine import SpecConfig, generate
+from tlt_jax.rollout.ngram import NgramConfig
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.strategy import SpecStrategy
+
+
+def _hybrid_spec(drafter, **fields):
+  fields = dict(dict(strategy=SpecStrategy(4, 1, 5), threshold=8, patience=2), **fields)
+  return SpecConfig(drafter=drafter, ngram_config=NgramConfig(max_ngram=3),
+                    hybrid=hybrid.HybridConfig(), **fields)
+
+
+def test_pick_follows_tokens_per_unit_cost():
+  """Untried kinds start optimistic (ties go model-free, the cheaper), so each is tried at
+  once; then a row mostly plays the kind with more tokens per step over its cost, and now
+  and then retries the other as its counts fade. Finished rows record nothing."""
+  config = hybrid.HybridConfig(draft_cost=0.5)
+  stats = hybrid.init_stats(3)
+  live = jnp.array([True, True, False])
+  # The learned drafter emits 3 tokens a step on row 0 (3 / 1.5 beats 1), 1 on row 1.
+  emits = jnp.array([3, 1, 1])
+  picks = []
+  for _ in range(40):
+    learned = hybrid.pick_learned(stats, config, 5)
+    picks.append(np.asarray(learned))
+    stats = hybrid.record(stats, config, learned, jnp.where(learned, emits, 1), live)
+  picks = np.array(picks)
+  assert not picks[0].any() and picks[1, :2].all()       # model-free first, then learned
+  steps = np.asarray(stats.steps)
+  assert steps[0, 0] >= 36 and 2 <= steps[0, 1]          # row 0 keeps the drafter ...
+  assert steps[1, 1] >= 36 and 2 <= steps[1, 0]          # ... row 1 model-free; both explore
+  assert steps[2].tolist() == [0, 0] and steps[:2].sum() == 80
+  assert np.asarray(stats.tokens)[0].tolist() == [3 * steps[0, 0], steps[0, 1]]
+
+
+def test_hybrid_greedy_is_token_identical():
+  """Groups of 4 equal prompts of different lengths, each row with its own cap: the batch
+  of 16 compacts to 8 before SD switches on and again while it runs. Both kinds draft."""
+  config, params, drafter = _model(97, seed=2)
+  prompts = [p for p in _prompts(97, (5, 9, 3, 12), seed=4) for _ in range(4)]
+  caps = [6 + 3 * i for i in range(len(prompts))]
+  plain = generate(params, config, prompts, max_new_tokens=caps, sampling=GREEDY,
+                   eos_ids=(96,))
+  sd = generate(params, config, prompts, max_new_tokens=caps, sampling=GREEDY, eos_ids=(96,),
+                spec=_hybrid_spec(drafter), chunk_steps=4)
+  for a, b in zip(plain.outputs, sd.outputs):
+    assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+  scored = _forward_logprobs(params, config, prompts, [o.token_ids for o in sd.outputs])
+  for output, want in zip(sd.outputs, scored):
+    np.testing.assert_allclose(output.logprobs, want, atol=1e-4)
+  stats = sd.stats
+  buckets = stats["rollout/batch_buckets"]
+  assert buckets[:2] == [16, 8] and len(buckets) >= 3   # compacted again during SD
+  assert stats["spec/drafter"] == "hybrid" and stats["spec/verify_steps"] > 0
+  share, accept = stats["spec/verify_share_by_drafter"], stats["spec/accept_len_by_drafter"]
+  assert set(share) == set(accept) == {"learned", "ngram"}
+  assert 0 < share["learned"] < 1 and abs(sum(share.values()) - 1) < 1e-9, share
+  # The steps each kind won, weighted by its accept length, add up to the overall one.
+  overall = share["learned"] * accept["learned"] + share["ngram"] * accept["ngram"]
+  assert abs(overall - stats["spec/accept_len"]) < 1e-9
+  # The group's repeated greedy text drafts well, the random drafter badly.
+  assert accept["ngram"] > accept["learned"] and share["ngram"] > 0.5, (accept, share)
+  assert stats["spec/context_sizes"] == {"entries": 16, "length": 128, "members": 4}
+
+
+def _tokens(params, config, spec, seed, sampling, rows, length):
+  result = generate(params, config, [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2]] * rows,
+                    max_new_tokens=length, sampling=sampling, seed=seed, spec=spec,
+                    buckets=BucketSpec(batch_buckets=(rows,), cache_page=32),
+                    group_ids=[i // 8 for i in range(rows)])
+  return [o.token_ids for o in result.outputs], result.stats
+
+
+def test_hybrid_sampling_matches_plain_marginals(monkeypatch):
+  """Per-position marginals of 24 sampled tokens, hybrid SD vs plain, 16384 samples a side
+  (chi-square homogeneity per position; 24 tests, so each at p >= 1e-4: 0.0024 family-wise).
+  Rows pick per step: both kinds win a good share of the steps, and the per-row choice
+  changes along the rollout (drafts from the repetitive prompt and the group's text are
+  often accepted early, less as the samples diverge)."""
+  from tlt_jax.rollout import engine
+  monkeypatch.setattr(engine, "MAX_SD_THRESHOLD", 4096)   # SD on for the whole batch
+  config, params, drafter = _model(6, seed=11)
+  sampling = SamplingParams(temperature=0.7)
+  spec = _hybrid_spec(drafter, strategy=SpecStrategy(3, 1, 4), threshold=4096, patience=0)
+  length, rows = 24, 4096
+  plain = [collections.Counter() for _ in range(length)]
+  sd = [collections.Counter() for _ in range(length)]
+  shares = []
+  for seed in range(4):
+    for counters, s, offset in ((plain, None, 0), (sd, spec, 1000)):
+      tokens, stats = _tokens(params, config, s, offset + seed, sampling, rows, length)
+      for position, counter in enumerate(counters):
+        counter.update(t[position] for t in tokens)
+    shares.append(stats["spec/verify_share_by_drafter"]["learned"])
+  p_values = [homogeneity_p_value(a, b) for a, b in zip(plain, sd)]
+  assert min(p_values) >= 1e-4, p_values
+  assert 0.1 < np.mean(shares) < 0.9, shares
+
+
+def test_hybrid_bad_input_is_one_line(tmp_path):
+  """SpecConfig: a hybrid needs both drafters and chains. CLI: `--hybrid` without a learned
+  drafter is one line, exit 2, before the model loads."""
+  _, _, drafter = _model(8)
+  with pytest.raises(UserInputError, match="hybrid drafting needs both"):
+    SpecConfig(drafter=drafter, hybrid=hybrid.HybridConfig(), strategy=SpecStrategy(3, 1, 4))
+  with pytest.raises(UserInputError, match="model-free drafting proposes chains"):
+    _hybrid_spec(drafter, strategy=SpecStrategy(3, 2, 5))
+  with pytest.raises(UserInputError, match="memory=1"):
+    hybrid.HybridConfig(memory=1.0)
+  (tmp_path / "prompts.json").write_text(json.dumps([[1, 2, 3]]))
+  for flags, message in ((["--drafter=ngram", "--hybrid"], "--drafter=ngram is model-free"),
+                         (["--hybrid"], "--hybrid needs --drafter=DIR")):
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.generate", "--model=/nonexistent",
+         f"--prompts_json={tmp_path / 'prompts.json'}", f"--output_json={tmp_path / 'o.json'}",
+         *flags], cwd=REPO, capture_output=True, text=True, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stderr
