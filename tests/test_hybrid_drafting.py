@@ -92,9 +92,10 @@ def _tokens(params, config, spec, seed, sampling, rows, length):
 def test_hybrid_sampling_matches_plain_marginals(monkeypatch):
   """Per-position marginals of 24 sampled tokens, hybrid SD vs plain, 16384 samples a side
   (chi-square homogeneity per position; 24 tests, so each at p >= 1e-4: 0.0024 family-wise).
-  Rows pick per step: both kinds win a good share of the steps, and the per-row choice
-  changes along the rollout (drafts from the repetitive prompt and the group's text are
-  often accepted early, less as the samples diverge)."""
+  Power: plain sampling at T=0.75 against T=0.7 (~2% total variation per position) gives
+  p < 1e-4 at 17 of 24 positions, min 5e-9. Rows pick per step from their own outcomes:
+  the learned drafter drafts ~0.36 of the steps (1.69 tokens each), model-free ~0.64
+  (1.55), from the repetitive prompt and the group's text."""
   from tlt_jax.rollout import engine
   monkeypatch.setattr(engine, "MAX_SD_THRESHOLD", 4096)   # SD on for the whole batch
   config, params, drafter = _model(6, seed=11)
