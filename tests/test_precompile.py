@@ -33,6 +33,7 @@ def check_rollouts_after_precompile_compile_nothing(spec_kind: str) -> None:
   from tlt_jax.models.config import ModelConfig
   from tlt_jax.rollout.bandit import BanditConfig, StrategyBandit, parse_strategies
   from tlt_jax.rollout.engine import SpecConfig, generate, plan_rollout
+  from tlt_jax.rollout.hybrid import HybridConfig
   from tlt_jax.rollout.ngram import NgramConfig
   from tlt_jax.rollout.precompile import precompile
   from tlt_jax.rollout.sampling import SamplingParams
@@ -47,19 +48,25 @@ def check_rollouts_after_precompile_compile_nothing(spec_kind: str) -> None:
       for i, n in enumerate(lengths)]
   spec, use_spec, pool = None, spec_kind != "none", "2_1_3,3_2_5"
   model_free = {}
-  if spec_kind == "ngram":
+  if spec_kind in ("ngram", "hybrid"):
     # Groups of 3 rows, two with an earlier response: the draft context's shapes key the
-    # programs too. One strategy: the bandit's programs are the learned case's.
-    pool = "3_1_4"
+    # programs too.
     model_free = dict(group_ids=[i // 3 for i in range(9)],
                       draft_context=[[1, 2, 3]] * 2 + [[]] * 7)
+  if spec_kind == "ngram":
+    # One strategy: the bandit's programs are the learned case's.
+    pool = "3_1_4"
     spec = SpecConfig(ngram_config=NgramConfig(), strategy=parse_strategies(pool)[0],
                       threshold=4, patience=1)
   elif use_spec:
-    # epsilon=1: each chunk plays a random strategy, so every one of them comes up.
+    # epsilon=1: each chunk plays a random strategy, so every one of them comes up. A
+    # hybrid's strategies are chains (its two drafts share one verify shape).
+    pool = "2_1_3,3_1_4" if spec_kind == "hybrid" else pool
     bandit = StrategyBandit(BanditConfig(parse_strategies(pool), epsilon=1.0, seed=3))
+    hybrid = (dict(ngram_config=NgramConfig(), hybrid=HybridConfig())
+              if spec_kind == "hybrid" else {})
     spec = SpecConfig(drafter=drafter_lib.init_drafter_params(config, jax.random.key(1)),
-                      bandit=bandit, threshold=4, patience=1)
+                      bandit=bandit, threshold=4, patience=1, **hybrid)
   kwargs = dict(max_new_tokens=[60, 5, 40, 9, 2, 33, 12, 60, 20],
                 sampling=SamplingParams(temperature=0.0), eos_ids=(7,), buckets=BUCKETS,
                 chunk_steps=3, spec=spec, **model_free)
@@ -87,7 +94,7 @@ def check_rollouts_after_precompile_compile_nothing(spec_kind: str) -> None:
     assert strategies_played == set(pool.split(","))
 
 
-@pytest.mark.parametrize("spec_kind", ["none", "learned", "ngram"])
+@pytest.mark.parametrize("spec_kind", ["none", "learned", "ngram", "hybrid"])
 def test_rollouts_after_precompile_compile_nothing(spec_kind):
   code = ("from tests.test_precompile import check_rollouts_after_precompile_compile_nothing "
           f"as check; check({spec_kind!r})")
