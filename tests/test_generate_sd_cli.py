@@ -109,3 +109,30 @@ def test_sd_flags_without_drafter_are_rejected(tiny_hf_dirs, tmp_path):
                     "--strategy=4_1_5"], tmp_path / "out.json")
   assert proc.returncode == 2 and "needs --drafter" in proc.stderr
   assert not out.exists()
+
+
+def test_sd_cli_hybrid_matches_plain(tiny_hf_dirs, drafter_dirs, tmp_path):
+  """`--drafter=DIR --hybrid`: plain decoding's greedy output (equal prompts draft from
+  each other model-free), both drafter kinds' stats."""
+  from tlt_jax.models.loading import load_model
+  from tlt_jax.rollout.engine import generate
+  from tlt_jax.rollout.sampling import SamplingParams
+  token_lists = [[5, 6, 7, 5, 6]] * 2 + [[9, 10, 11, 12]] * 2
+  prompts = tmp_path / "prompts.json"
+  prompts.write_text(json.dumps(token_lists))
+  proc, out = _run([f"--model={tiny_hf_dirs['llama']}", f"--prompts_json={prompts}",
+                    "--max_new_tokens=16", "--temperature=0",
+                    f"--drafter={drafter_dirs['good']}", "--hybrid", "--max_ngram=2",
+                    "--strategy=3_1_4", "--sd_threshold=4", "--sd_patience=0"],
+                   tmp_path / "hybrid.json")
+  assert proc.returncode == 0, proc.stderr
+  model = load_model(tiny_hf_dirs["llama"])
+  plain = generate(model.params, model.config, token_lists, max_new_tokens=16,
+                   sampling=SamplingParams(temperature=0.0),
+                   eos_ids=tuple(model.config.eos_token_ids))
+  result = json.loads(out.read_text())
+  assert [o["token_ids"] for o in result["outputs"]] == [o.token_ids for o in plain.outputs]
+  stats = result["stats"]
+  assert stats["spec/drafter"] == "hybrid" and stats["spec/verify_steps"] > 0
+  assert set(stats["spec/verify_share_by_drafter"]) == {"learned", "ngram"}
+  assert stats["spec/context_sizes"]["members"] == 2
