@@ -43,8 +43,10 @@ _HYBRID = flags.DEFINE_bool(
     "drafter's chain or a model-free one, whichever has emitted more tokens per unit time "
     "for it so far (tlt_jax.rollout.hybrid).")
 _STRATEGY = flags.DEFINE_string(
-    "strategy", "4_1_5", "SD strategy DEPTH_TOPK_VERIFYTOKENS, or a comma-separated pool of "
-    "them: a bandit (BEG-MAB) then picks one per chunk by live batch size.")
+    "strategy", "4_1_5", "SD strategy [KIND:]DEPTH_TOPK_VERIFYTOKENS, or a comma-separated "
+    "pool of them: a bandit (BEG-MAB) then picks one per chunk by live batch size. KIND "
+    "(learned, ngram, hybrid) lets one pool mix drafter kinds, e.g. "
+    "--drafter=DIR --strategy=4_1_5,ngram:4_1_5; unnamed: --drafter's (hybrid with --hybrid).")
 _BANDIT_EPSILON = flags.DEFINE_float("bandit_epsilon", 0.1, "Bandit exploration rate.")
 _BANDIT_WINDOW = flags.DEFINE_integer("bandit_window", 300, "Rewards the bandit keeps per "
                                       "batch bucket and strategy.")
@@ -141,9 +143,16 @@ def load_spec(config, dtype, strategy_choice: dict):
     if sd_flags:
       raise UserInputError(f"--{sd_flags[0]} needs --drafter (speculative decoding is off)")
     return None
-  if _MAX_NGRAM.value is not None and not _HYBRID.value:
-    raise UserInputError("--max_ngram needs --drafter=ngram or --hybrid")
-  hybrid = dict(ngram_config=ngram_config(), hybrid=HybridConfig()) if _HYBRID.value else {}
+  # Model-free drafts also when the pool names them (`ngram:4_1_5`).
+  strategies = (strategy_choice["bandit"].strategies if "bandit" in strategy_choice
+                else (strategy_choice["strategy"],))
+  model_free = _HYBRID.value or any(s.drafter in ("ngram", "hybrid") for s in strategies)
+  if _MAX_NGRAM.value is not None and not model_free:
+    raise UserInputError("--max_ngram needs model-free drafts (--drafter=ngram, --hybrid, or "
+                         "an ngram: strategy)")
+  hybrid = dict(ngram_config=ngram_config()) if model_free else {}
+  if _HYBRID.value:
+    hybrid["hybrid"] = HybridConfig()
   return speculation_config(_DRAFTER.value, config, dtype, threshold=_SD_THRESHOLD.value,
                             patience=_SD_PATIENCE.value, **strategy_choice, **hybrid,
                             **({} if _DRAFT_TEMPERATURE_RATIO.value is None else

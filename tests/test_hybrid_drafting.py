@@ -81,6 +81,37 @@ def test_hybrid_greedy_is_token_identical():
   assert stats["spec/context_sizes"] == {"entries": 16, "length": 128, "members": 4}
 
 
+def test_mixed_pool_greedy_is_token_identical():
+  """One BEG-MAB pool of a hybrid chain, a model-free chain and a learned tree (each bucket
+  plays its untried strategies first, so all come up): plain greedy tokens, and the steps
+  split by the drafter that drafted them."""
+  from tlt_jax.rollout.bandit import BanditConfig, StrategyBandit, parse_strategies
+  config, params, drafter = _model(97, seed=2)
+  prompts = [p for p in _prompts(97, (5, 9, 3, 12), seed=4) for _ in range(4)]
+  caps = [6 + 3 * i for i in range(len(prompts))]
+  plain = generate(params, config, prompts, max_new_tokens=caps, sampling=GREEDY,
+                   eos_ids=(96,))
+  pool = parse_strategies("hybrid:3_1_4,ngram:4_1_5,learned:3_2_5")
+  spec = _hybrid_spec(drafter, strategy=None,
+                      bandit=StrategyBandit(BanditConfig(pool, epsilon=0.0)))
+  sd = generate(params, config, prompts, max_new_tokens=caps, sampling=GREEDY, eos_ids=(96,),
+                spec=spec, chunk_steps=1)
+  for a, b in zip(plain.outputs, sd.outputs):
+    assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+  stats = sd.stats
+  assert set(stats["spec/strategy_chunks"]) == {s.name for s in pool}, stats["spec/bandit"]
+  assert stats["spec/drafter"] == "learned+ngram+hybrid"
+  assert 0 < stats["spec/verify_share_by_drafter"]["ngram"] < 1
+  # An unnamed tree is the hybrid's, whose drafts are chains; a learned kind needs a drafter.
+  with pytest.raises(UserInputError, match="3_2_5: model-free drafting proposes chains"):
+    _hybrid_spec(drafter, strategy=SpecStrategy(3, 2, 5))
+  with pytest.raises(UserInputError, match="learned:3_1_4: needs a learned drafter"):
+    SpecConfig(ngram_config=NgramConfig(), strategy=SpecStrategy(3, 1, 4, "learned"))
+  with pytest.raises(UserInputError, match="hybrid:3_1_4: needs --hybrid"):
+    SpecConfig(drafter=drafter, ngram_config=NgramConfig(),
+               strategy=SpecStrategy(3, 1, 4, "hybrid"))
+
+
 def _tokens(params, config, spec, seed, sampling, rows, length):
   result = generate(params, config, [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2]] * rows,
                     max_new_tokens=length, sampling=sampling, seed=seed, spec=spec,

@@ -37,7 +37,7 @@ from tlt_jax.rollout import decode, hybrid as hybrid_lib, ngram, speculative
 from tlt_jax.rollout.bandit import StrategyBandit
 from tlt_jax.rollout.buckets import BucketSpec
 from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.strategy import SpecStrategy
+from tlt_jax.rollout.strategy import DRAFTER_KINDS, SpecStrategy
 from tlt_jax.sharding.rules import MeshRules, param_logical_axes, place
 
 
@@ -53,7 +53,9 @@ class SpecConfig:
   group text), or, with `hybrid`, from both: each row picks one per verify step
   (`hybrid.py`).
   Either one fixed `strategy`, or a `bandit` that picks among its strategies per chunk by
-  live batch size (and learns across the rollouts that share it)."""
+  live batch size (and learns across the rollouts that share it). A strategy may name its
+  drafter kind (`ngram:4_1_5`), so a pool can mix kinds; unnamed ones use `kind_of`'s
+  default. The sources given must be the ones the strategies use."""
   drafter: DrafterParams | None = None
   strategy: SpecStrategy | None = None
   vocab_ids: jax.Array | None = None   # reduced draft vocabulary (sorted target ids)
@@ -72,27 +74,53 @@ class SpecConfig:
   def __post_init__(self):
     if (self.strategy is None) == (self.bandit is None):
       raise UserInputError("SpecConfig: give exactly one of strategy and bandit")
-    if self.hybrid is not None:
-      if self.drafter is None or self.ngram_config is None:
-        raise UserInputError("SpecConfig: hybrid drafting needs both drafter and ngram_config")
-    elif (self.drafter is None) == (self.ngram_config is None):
-      raise UserInputError("SpecConfig: give exactly one of drafter and ngram_config")
-    trees = [s.name for s in self.strategies if s.topk > 1]
-    if self.ngram_config is not None and trees:
-      # A hybrid's two drafts share one verify shape, so its learned drafter draws chains too.
-      raise UserInputError(f"--strategy={trees[0]}: model-free drafting proposes chains "
-                           "(DEPTH_1_DEPTH+1)")
+    if self.hybrid is not None and (self.drafter is None or self.ngram_config is None):
+      raise UserInputError("SpecConfig: hybrid drafting needs both drafter and ngram_config")
+    for s in self.strategies:
+      kind = self.kind_of(s)
+      if kind != "ngram" and self.drafter is None:
+        raise UserInputError(f"--strategy={s.name}: needs a learned drafter (--drafter=DIR)")
+      if kind != "learned" and self.ngram_config is None:
+        raise UserInputError(f"--strategy={s.name}: needs model-free drafting "
+                             "(--drafter=ngram or --hybrid)")
+      if kind == "hybrid" and self.hybrid is None:
+        raise UserInputError(f"--strategy={s.name}: needs --hybrid")
+      if kind != "learned" and s.topk > 1:
+        # A hybrid's two drafts share one verify shape, so its learned drafts are chains too.
+        raise UserInputError(f"--strategy={s.name}: model-free drafting proposes chains "
+                             "(DEPTH_1_DEPTH+1)")
+    kinds = {self.kind_of(s) for s in self.strategies}
+    if ((self.drafter is not None and kinds == {"ngram"})
+        or (self.ngram_config is not None and kinds == {"learned"})):
+      raise UserInputError("SpecConfig: give exactly one of drafter and ngram_config, or "
+                           "strategies that use both")
     self.validate_schedule(self.threshold, self.patience)
     if not 0 < self.draft_temperature_ratio <= 4:
       raise UserInputError(f"--draft_temperature_ratio={self.draft_temperature_ratio}: must "
                            "be in (0, 4]")
 
-  @property
-  def kind(self) -> str:
-    """The drafter kind, as stats name it."""
+  def kind_of(self, strategy: SpecStrategy) -> str:
+    """The drafter kind of a strategy: its own, else hybrid with `hybrid`, else the one
+    source given (learned when both are)."""
+    if strategy.drafter is not None:
+      return strategy.drafter
     if self.hybrid is not None:
       return "hybrid"
-    return "learned" if self.ngram_config is None else "ngram"
+    return "learned" if self.drafter is not None else "ngram"
+
+  @property
+  def kind(self) -> str:
+    """The drafter kinds of the strategies, as stats name them ("learned+ngram": a pool)."""
+    kinds = {self.kind_of(s) for s in self.strategies}
+    return "+".join(k for k in DRAFTER_KINDS if k in kinds)
+
+  @property
+  def row_counts(self) -> hybrid_lib.HybridConfig | None:
+    """With both sources, each row counts its steps and tokens by drafter kind (a hybrid
+    step's pick reads them, and the stats split by them): by `hybrid`'s settings."""
+    if self.drafter is None or self.ngram_config is None:
+      return None
+    return self.hybrid or hybrid_lib.HybridConfig()
 
   @property
   def strategies(self) -> tuple[SpecStrategy, ...]:
@@ -205,10 +233,11 @@ class _Harvest:
           self.kind_steps[prompt], self.kind_tokens[prompt] = kind_steps[row], kind_tokens[row]
 
   def by_drafter(self, spec: SpecConfig) -> tuple[dict[str, float], dict[str, float]]:
-    """Per drafter kind: tokens per verify step it drafted, and its share of verify steps
-    (a hybrid's kinds split the steps; a single kind drafts them all)."""
+    """Per drafter kind: tokens per verify step it drafted, and its share of verify steps.
+    With both sources the steps split by what drafted them, the learned drafter or the
+    model-free chain (a hybrid step under its row's pick); one source drafts them all."""
     ratio = lambda a, b: float(a / b) if b else 0.0
-    if spec.hybrid is None:
+    if spec.row_counts is None:
       return {spec.kind: ratio(self.spec_tokens.sum(), self.spec_steps.sum())}, {spec.kind: 1.0}
     steps, tokens = self.kind_steps.sum(0), self.kind_tokens.sum(0)
     return ({k: ratio(t, n) for k, n, t in zip(hybrid_lib.KINDS, steps, tokens)},
@@ -526,7 +555,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
           state = switch_to_speculation(params, config, spec, state, plan,
                                         drafter_prefill_len(longest_live, plan, buckets),
                                         attention_impl, rules)
-          if spec.hybrid is not None:
+          if spec.ngram_config is not None:
             state = speculative.add_model_free(state, pool, rules)
     chunk_start_generated = generated
     speculating = isinstance(state, speculative.SpecState)
@@ -542,7 +571,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
       state = speculative.spec_chunk(params, spec.drafter, head, spec.vocab_ids, state,
                                      strategy=strategy, chunk_steps=chunk_steps,
                                      window=window, ngram_config=spec.ngram_config,
-                                     hybrid=spec.hybrid,
+                                     hybrid=spec.row_counts, kind=spec.kind_of(strategy),
                                      draft_temperature_ratio=spec.draft_temperature_ratio,
                                      rules=rules, **static)
       strategy_chunks[strategy.name] += 1

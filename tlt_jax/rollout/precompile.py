@@ -105,7 +105,7 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
         source = state if length == prefill_lens[-1] else jax.tree.map(jnp.copy, state)
         spec_states[b] = switch_to_speculation(params, config, spec, source, plan, length,
                                                attention_impl, rules)
-      if spec.hybrid is not None:
+      if learned and pool is not None:
         spec_states[b] = speculative.add_model_free(spec_states[b], pool, rules)
     _compact_pairs(spec_states, spec_batches, rules)
     for b in spec_batches:
@@ -114,7 +114,7 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
           spec_states[b] = speculative.spec_chunk(
               params, spec.drafter, head, spec.vocab_ids, spec_states[b], strategy=strategy,
               chunk_steps=chunk_steps, window=window, ngram_config=spec.ngram_config,
-              hybrid=spec.hybrid,
+              hybrid=spec.row_counts, kind=spec.kind_of(strategy),
               draft_temperature_ratio=spec.draft_temperature_ratio, rules=rules, **static)
     jax.block_until_ready(spec_states)
   jax.block_until_ready(states)

@@ -165,8 +165,9 @@ def start_model_free(base: DecodeState, context: ngram.DraftContext,
 
 def add_model_free(state: SpecState, context: ngram.DraftContext,
                    rules: MeshRules | None = None) -> SpecState:
-  """Hybrid speculation: a learned drafter's state (`start_speculation`) that also drafts
-  model-free from `context`, each row picking per step (`hybrid.py`)."""
+  """A learned drafter's state (`start_speculation`) that also drafts model-free from
+  `context`: hybrid steps, or a pool of learned and model-free strategies. Per-row counts
+  by drafter kind feed the hybrid's pick and the stats."""
   return lay_out(state.replace(context=context,
                                hybrid=hybrid_lib.init_stats(state.base.done.shape[0])), rules)
 
@@ -218,6 +219,13 @@ def _catch_up(params, drafter, config, attention_impl, rules, state: SpecState):
   hidden, cache = drafter_forward(drafter, params, config, state.pend_tokens, state.pend_hidden,
                                   positions, cache, attention_impl=attention_impl, rules=rules)
   return hidden, cache.advance(state.pend_count)
+
+
+def _caught_up(params, drafter, config, attention_impl, rules, state: SpecState) -> SpecState:
+  """The state after the drafter has run the pending pairs and drafted nothing (a
+  model-free step of a rollout that also drafts with it)."""
+  _, cache = _catch_up(params, drafter, config, attention_impl, rules, state)
+  return state.replace(draft_cache=cache)
 
 
 def _grow_tree(key, params, drafter, head, vocab_ids, config, strategy, sampling,
@@ -387,8 +395,7 @@ def _hybrid_tree(key, params, drafter, head, vocab_ids, config, strategy, sampli
                          attention_impl, rules, s)
 
   def model_free(s):
-    _, cache = _catch_up(params, drafter, config, attention_impl, rules, s)
-    return s.replace(draft_cache=cache), chain
+    return _caught_up(params, drafter, config, attention_impl, rules, s), chain
 
   state, drafted = jax.lax.cond(jnp.any(use_learned & ~state.base.done), learned, model_free,
                                 state)
@@ -410,13 +417,17 @@ def spec_step(params: Params, drafter: DrafterParams | None, head: jax.Array | N
               vocab_ids: jax.Array | None, state: SpecState, *, config: ModelConfig,
               strategy: SpecStrategy, sampling: SamplingParams, eos_ids: tuple[int, ...],
               max_new_tokens: int, ngram_config: ngram.NgramConfig | None = None,
-              hybrid: hybrid_lib.HybridConfig | None = None,
+              hybrid: hybrid_lib.HybridConfig | None = None, kind: str | None = None,
               draft_temperature_ratio: float = 1.0, attention_impl: str = "auto",
               rules: MeshRules | None = None) -> SpecState:
   """Draft a tree, verify it in one target pass, commit the accepted path plus a bonus.
 
-  ngram_config: draft model-free (a chain from `state.context`) instead of with `drafter`;
-  with `hybrid` as well, each row picks one of the two per step (`hybrid.py`).
+  The state's draft sources: `drafter` (learned), `ngram_config` (model-free, a chain from
+  `state.context`), or both, with `hybrid` for their per-row counts (`state.hybrid`).
+  kind: which drafts this step (`strategy.DRAFTER_KINDS`; "hybrid": each row picks one
+  of the two, `hybrid.py`); None: the only source, or "hybrid" with both. Every source
+  the state holds stays in step: the drafter runs the accepted pairs and the context
+  grows by the emitted tokens whichever kind drafted.
   Sampled tree drafts (topk > 1) come from the drafter at `draft_temperature_ratio` times
   the sampling temperature (top-p / top-k as given); rejection sampling reads the same q,
   so any ratio is exact and only acceptance changes. A chain's single draft passes most
@@ -426,19 +437,25 @@ def spec_step(params: Params, drafter: DrafterParams | None, head: jax.Array | N
   live = ~base.done
   key, draft_key, accept_key = jax.random.split(base.key, 3)
   learned = drafter is not None
+  if kind is None:
+    kind = "learned" if ngram_config is None else "ngram" if drafter is None else "hybrid"
   ratio = draft_temperature_ratio if strategy.topk > 1 else 1.0
   draft_sampling = dataclasses.replace(sampling, temperature=sampling.temperature * ratio)
-  if hybrid is not None:
+  if kind == "hybrid":
     use_learned = hybrid_lib.pick_learned(state.hybrid, hybrid, depth + 1)
     state, tree = _hybrid_tree(draft_key, params, drafter, head, vocab_ids, config, strategy,
                                draft_sampling, ngram_config, attention_impl, rules, state,
                                use_learned)
-  elif learned:
+  elif kind == "learned":
+    use_learned = jnp.ones_like(live)
     state, tree = _learned_tree(draft_key, params, drafter, head, vocab_ids, config, strategy,
                                 draft_sampling, attention_impl, rules, state)
   else:
+    use_learned = jnp.zeros_like(live)
     drafts = ngram.propose_chain(state.context, depth, ngram_config)
     tree = _chain_tree(base.last_tokens, drafts)
+    if learned:
+      state = _caught_up(params, drafter, config, attention_impl, rules, state)
 
   committed = base.cache.lengths
   hidden, new_k, new_v = forward_new_kv(params, config, tree.tokens,
@@ -453,8 +470,7 @@ def spec_step(params: Params, drafter: DrafterParams | None, head: jax.Array | N
     num_accepted, path, emitted, tries, accepts = recursive_rejection(
         accept_key, p, tree.draft_probs, tree.tokens, tree.parents, depth, strategy.topk)
     if learned:   # the rank statistics shape learned trees: only their steps count
-      state = _count_ranks(state, strategy, tries, accepts,
-                           live if hybrid is None else live & use_learned)
+      state = _count_ranks(state, strategy, tries, accepts, live & use_learned)
   in_path = jnp.arange(depth + 1)[None, :] <= num_accepted[:, None]
 
   # Only the path's K/V enter the cache, in consecutive slots (the rest of the tree is
@@ -491,7 +507,7 @@ def spec_step(params: Params, drafter: DrafterParams | None, head: jax.Array | N
 
 @functools.partial(jax.jit, static_argnames=("config", "strategy", "sampling", "eos_ids",
                                              "max_new_tokens", "chunk_steps", "window",
-                                             "ngram_config", "hybrid",
+                                             "ngram_config", "hybrid", "kind",
                                              "draft_temperature_ratio",
                                              "attention_impl", "rules"),
                    donate_argnames=("state",))
@@ -501,14 +517,15 @@ def spec_chunk(params: Params, drafter: DrafterParams | None, head: jax.Array | 
                sampling: SamplingParams, eos_ids: tuple[int, ...], max_new_tokens: int,
                chunk_steps: int, window: int | None = None,
                ngram_config: ngram.NgramConfig | None = None,
-               hybrid: hybrid_lib.HybridConfig | None = None,
+               hybrid: hybrid_lib.HybridConfig | None = None, kind: str | None = None,
                draft_temperature_ratio: float = 1.0, attention_impl: str = "auto",
                rules: MeshRules | None = None) -> SpecState:
   """Up to `chunk_steps` speculative steps in one program; stops when all rows are done.
 
   head: `draft_head(params, config, vocab_ids)`, made once per rollout by the caller (its
   column gather of a 16k draft vocabulary takes ~11 ms on a 2-core CPU, ten drafting levels).
-  Model-free (`ngram_config` given, no `hybrid`): drafter, head and vocab_ids are None.
+  Model-free alone (`ngram_config` given, no drafter): drafter, head and vocab_ids are
+  None. kind, ngram_config, hybrid: see `spec_step`.
 
   window: both caches are cut to their first `window` slots for the chunk (the caller
   guarantees every write of the chunk lands inside); None is the whole cache.
@@ -524,7 +541,7 @@ def spec_chunk(params: Params, drafter: DrafterParams | None, head: jax.Array | 
     return i + 1, spec_step(params, drafter, head, vocab_ids, s, config=config,
                             strategy=strategy, sampling=sampling, eos_ids=eos_ids,
                             max_new_tokens=max_new_tokens, ngram_config=ngram_config,
-                            hybrid=hybrid, draft_temperature_ratio=draft_temperature_ratio,
+                            hybrid=hybrid, kind=kind, draft_temperature_ratio=draft_temperature_ratio,
                             attention_impl=attention_impl, rules=rules)
 
   def cond(carry):

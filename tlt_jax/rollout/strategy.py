@@ -1,10 +1,14 @@
-"""Speculative-decoding strategies: (draft depth, top-k per level, tokens verified)."""
+"""Speculative-decoding strategies: (draft depth, top-k per level, tokens verified), and
+optionally the drafter kind that drafts them, so one bandit pool can hold learned,
+model-free and hybrid strategies side by side."""
 from __future__ import annotations
 
 import dataclasses
 import re
 
 from tlt_jax.errors import UserInputError
+
+DRAFTER_KINDS = ("learned", "ngram", "hybrid")
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -17,12 +21,19 @@ class SpecStrategy:
   draft log-prob (when sampling, by the row's acceptance rate so far per level and draw
   rank: a shape fixed before the step's draws, as exact rejection sampling needs), and
   the best `verify_tokens - 1` nodes of the tree are verified.
+
+  drafter: the kind that drafts (`DRAFTER_KINDS`); None: the rollout's own
+  (`SpecConfig.kind_of`). Named as a prefix, e.g. `ngram:4_1_5`.
   """
   depth: int
   topk: int
   verify_tokens: int
+  drafter: str | None = None
 
   def __post_init__(self):
+    if self.drafter is not None and self.drafter not in DRAFTER_KINDS:
+      raise UserInputError(f"strategy {self.name}: drafter kind must be one of "
+                           f"{', '.join(DRAFTER_KINDS)}")
     if self.depth < 1 or self.topk < 1 or self.verify_tokens < 2:
       raise UserInputError(f"strategy {self.name}: need depth >= 1, topk >= 1, verify >= 2")
     if self.verify_tokens > 1 + self.depth * self.topk:
@@ -35,7 +46,8 @@ class SpecStrategy:
 
   @property
   def name(self) -> str:
-    return f"{self.depth}_{self.topk}_{self.verify_tokens}"
+    shape = f"{self.depth}_{self.topk}_{self.verify_tokens}"
+    return shape if self.drafter is None else f"{self.drafter}:{shape}"
 
   @property
   def num_nodes(self) -> int:
@@ -43,10 +55,11 @@ class SpecStrategy:
 
   @classmethod
   def parse(cls, text: str, flag: str = "--strategy") -> "SpecStrategy":
-    match = re.fullmatch(r"(\d+)_(\d+)_(\d+)", text.strip())
+    match = re.fullmatch(r"(?:(\w+):)?(\d+)_(\d+)_(\d+)", text.strip())
     if not match:
-      raise UserInputError(f"{flag}={text!r}: expected DEPTH_TOPK_VERIFYTOKENS, e.g. 8_4_16")
+      raise UserInputError(f"{flag}={text!r}: expected [KIND:]DEPTH_TOPK_VERIFYTOKENS, e.g. "
+                           "8_4_16 or ngram:4_1_5")
     try:
-      return cls(*(int(g) for g in match.groups()))
+      return cls(*(int(g) for g in match.groups()[1:]), drafter=match.group(1))
     except UserInputError as e:
       raise UserInputError(f"{flag}={text!r}: {e}") from None
