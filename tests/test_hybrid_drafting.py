@@ -149,7 +149,8 @@ def test_hybrid_sampling_matches_plain_marginals(monkeypatch):
 
 def test_hybrid_bad_input_is_one_line(tmp_path):
   """SpecConfig: a hybrid needs both drafters and chains. CLI: `--hybrid` without a learned
-  drafter is one line, exit 2, before the model loads."""
+  drafter, and benchmarks/model_free.py's batches that split no group evenly, are one
+  line, exit 2, before the model loads."""
   _, _, drafter = _model(8)
   with pytest.raises(UserInputError, match="hybrid drafting needs both"):
     SpecConfig(drafter=drafter, hybrid=hybrid.HybridConfig(), strategy=SpecStrategy(3, 1, 4))
@@ -166,3 +167,9 @@ def test_hybrid_bad_input_is_one_line(tmp_path):
          *flags], cwd=REPO, capture_output=True, text=True, timeout=300)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stderr
+  # The benchmark's batches must split groups evenly (checked before the model loads).
+  proc = subprocess.run([sys.executable, "benchmarks/model_free.py", "--batches=3",
+                         "--group_size=8"], cwd=REPO, capture_output=True, text=True,
+                        timeout=300)
+  errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+  assert proc.returncode == 2 and len(errors) == 1 and "--batches=3" in errors[0], proc.stderr

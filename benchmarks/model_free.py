@@ -1,0 +1,226 @@
+"""Model-free and hybrid drafting on SmolLM2: plain, learned, model-free and hybrid SD, side
+by side in one run.
+
+  python benchmarks/model_free.py [--drafter=assets/drafter_smollm2] [--output=FILE]
+
+Prints JSON. Rollouts of G (--group_size) samples of held-out reasoning-gym math prompts,
+at each temperature and live batch size B, SD on from the first step. A group larger than
+B runs as G/B consecutive rollouts of B of its samples, the later ones reading the earlier
+ones' responses as draft context (siblings that finished first); B >= G runs B/G groups
+at once. Variants:
+  plain; learned (the drafter alone); ngram_prompt (each row's own prompt and text);
+  ngram_siblings (+ the group's other samples); ngram_epoch (+ an earlier epoch's responses
+  to the prompt: a plain rollout of the same groups at another seed); hybrid (the learned
+  drafter and ngram_epoch's context, each row picking per verify step).
+After precompiling every variant's programs and one warm-up of each, a round runs every
+variant once, in turn (alternated), --repeats rounds. Per variant: medians of tokens/s and
+accept length, and the median over rounds of its tokens/s over plain's in the same round
+(paired ratios). `goals` checks issue 17's targets at each setting.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.report import emit  # noqa: E402
+from absl import flags  # noqa: E402
+from experiments import cli  # noqa: E402
+
+_MODEL = flags.DEFINE_string("model", "smollm2", "Target: `smollm2` or a path.")
+_DRAFTER = flags.DEFINE_string("drafter", "assets/drafter_smollm2", "Warmed-up drafter dir.")
+_BATCHES = flags.DEFINE_list("batches", ["1", "4", "16"], "Live batch sizes.")
+_TEMPERATURES = flags.DEFINE_list("temperatures", ["1", "0"], "Sampling temperatures.")
+_GROUP = flags.DEFINE_integer("group_size", 8, "Samples per prompt (G).", lower_bound=1)
+_STRATEGY = flags.DEFINE_string("strategy", "4_1_5", "SD chain DEPTH_1_DEPTH+1 (model-free "
+                                "and hybrid drafts are chains).")
+_MAX_NGRAM = flags.DEFINE_integer("max_ngram", 4, "Longest suffix matched.", lower_bound=1)
+_DRAFT_COST = flags.DEFINE_float("draft_cost", 0.2, "Hybrid: a learned draft's time in "
+                                 "verify passes (tlt_jax.rollout.hybrid.HybridConfig).")
+_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 128, "Tokens per row.", lower_bound=1)
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Alternated rounds per setting.", lower_bound=1)
+_PRECOMPILE = flags.DEFINE_bool("precompile", True, "Compile every variant's programs before "
+                                "timing, so that no timed run compiles.")
+_OUTPUT = flags.DEFINE_string("output", None, "Also write the JSON here.")
+_SEED = flags.DEFINE_integer("seed", 12345, "Prompt seed (held out from drafter training).")
+
+_TASKS = ["gsm_symbolic", "basic_arithmetic", "chain_sum"]
+VARIANTS = ("plain", "learned", "ngram_prompt", "ngram_siblings", "ngram_epoch", "hybrid")
+# What each variant's rows draft from: (drafter kind, the group's rows, earlier siblings'
+# and an earlier epoch's responses).
+_SOURCES = {"plain": (None, False, False), "learned": ("learned", False, False),
+            "ngram_prompt": ("ngram", False, False), "ngram_siblings": ("ngram", True, False),
+            "ngram_epoch": ("ngram", True, True), "hybrid": ("hybrid", True, True)}
+
+
+def log(message: str) -> None:
+  print(message, file=sys.stderr, flush=True)
+
+
+def calls_of(num_groups: int, group_size: int, batch: int) -> list[list[tuple[int, int]]]:
+  """The rollouts a setting runs, each a list of (group, sample) rows: B/G whole groups at
+  once, or each group's samples B at a time."""
+  samples = [(g, i) for g in range(num_groups) for i in range(group_size)]
+  return [samples[k:k + batch] for k in range(0, len(samples), batch)]
+
+
+def draft_inputs(call, done: dict, epoch: dict | None, group_size: int, siblings: bool,
+                 batch: int) -> tuple[list[int], list[list[int]]]:
+  """group_ids (one group per prompt when `siblings`, else one per row) and each row's extra
+  draft text: its share (samples i % B == its place) of its group's responses finished in
+  earlier rollouts (`done`, when `siblings`) and of the earlier epoch's (`epoch`). The
+  shares put each response of the group in exactly one row's extra."""
+  width = min(batch, group_size)
+  groups, extras = [], []
+  for place, (g, i) in enumerate(call):
+    groups.append(g if siblings else place)
+    extra = []
+    for j in range(group_size):
+      if j % width != i % width:
+        continue
+      if siblings and (g, j) in done:
+        extra += done[g, j]
+      if epoch is not None:
+        extra += epoch[g, j]
+    extras.append(extra)
+  return groups, extras
+
+
+def main(argv):
+  del argv
+  if _OUTPUT.value:
+    cli.check_output_file(_OUTPUT.value, "--output")
+  import jax
+  import jax.numpy as jnp
+
+  from tlt_jax.data.tasks import build_questions
+  from tlt_jax.drafter.trainer import load_drafter
+  from tlt_jax.errors import UserInputError
+  from tlt_jax.models.loading import load_model
+  from tlt_jax.rollout.engine import SpecConfig, generate
+  from tlt_jax.rollout.hybrid import HybridConfig
+  from tlt_jax.rollout.ngram import NgramConfig
+  from tlt_jax.rollout.precompile import precompile
+  from tlt_jax.rollout.sampling import SamplingParams
+  from tlt_jax.rollout.strategy import SpecStrategy
+
+  batches = [int(b) for b in _BATCHES.value]
+  group = _GROUP.value
+  for b in batches:
+    if b < 1 or (b % group if b >= group else group % b):
+      raise UserInputError(f"--batches={b}: must divide --group_size={group} or be a "
+                           "multiple of it")
+  strategy = SpecStrategy.parse(_STRATEGY.value)
+  model = load_model(_MODEL.value, dtype=jnp.float32)
+  tokenizer = model.tokenizer
+  drafter, vocab_ids = load_drafter(_DRAFTER.value, model.config)
+  vocab_ids = None if vocab_ids is None else jnp.asarray(vocab_ids)
+  eos = tuple(tokenizer.eos_token_ids)
+  num_prompts = max(1, max(batches) // group)
+  prompts = [tokenizer.chat_prompt(q)
+             for _, q in build_questions(_TASKS, num_prompts, _SEED.value)]
+  ngram_config = NgramConfig(max_ngram=_MAX_NGRAM.value)
+  sd = dict(strategy=strategy, patience=0)
+  specs = lambda batch: {
+      "plain": None,
+      "learned": SpecConfig(drafter=drafter, vocab_ids=vocab_ids, threshold=batch, **sd),
+      "ngram": SpecConfig(ngram_config=ngram_config, threshold=batch, **sd),
+      "hybrid": SpecConfig(drafter=drafter, vocab_ids=vocab_ids, ngram_config=ngram_config,
+                           hybrid=HybridConfig(draft_cost=_DRAFT_COST.value),
+                           threshold=batch, **sd)}
+
+  def rollout_args(call, kind, siblings, use_epoch, done, epoch, batch):
+    args = dict(max_new_tokens=_NEW_TOKENS.value, eos_ids=eos)
+    if kind in ("ngram", "hybrid"):
+      args["group_ids"], args["draft_context"] = draft_inputs(
+          call, done, epoch if use_epoch else None, group, siblings, batch)
+    return args
+
+  def run(variant, batch, sampling, seed, epoch, compile_only=False):
+    """One variant's rollouts of the setting, in turn: seconds, tokens, accept, shares."""
+    kind, siblings, use_epoch = _SOURCES[variant]
+    spec = specs(batch)[kind or "plain"]
+    done, seconds, tokens, steps, emitted, new_programs = {}, 0.0, 0, 0, 0.0, 0
+    learned_steps = 0.0
+    for k, call in enumerate(calls_of(num_prompts, group, batch)):
+      rows = [prompts[g] for g, _ in call]
+      args = rollout_args(call, kind, siblings, use_epoch, done, epoch, batch)
+      if compile_only:
+        new_programs += precompile(model.params, model.config, rows, sampling=sampling,
+                                   spec=spec, **args)
+        # Full-length stand-ins: the draft pool's length bucket depends on the text lengths
+        # (a shorter real response can land in a smaller bucket: counted in new_programs).
+        done.update({row: [0] * _NEW_TOKENS.value for row in call})
+        continue
+      start = time.perf_counter()
+      result = generate(model.params, model.config, rows, sampling=sampling,
+                        seed=seed * 1000 + k, spec=spec, **args)
+      seconds += time.perf_counter() - start
+      stats = result.stats
+      tokens += stats["generated_tokens"]
+      new_programs += stats["compile/new_programs"]
+      for (g, i), out in zip(call, result.outputs):
+        done[g, i] = out.token_ids
+      if spec is not None:
+        steps += stats["spec/verify_steps"]
+        emitted += stats["spec/accept_len"] * stats["spec/verify_steps"]
+        learned_steps += (stats["spec/verify_share_by_drafter"].get("learned", 0.0)
+                          * stats["spec/verify_steps"])
+    out = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9),
+           "new_programs": new_programs, "responses": done}
+    if steps:
+      out.update(accept_len=emitted / steps, learned_share=learned_steps / steps)
+    return out
+
+  report = {"model": f"{_MODEL.value} (fp32, {jax.default_backend()})",
+            "drafter": _DRAFTER.value, "strategy": strategy.name, "group_size": group,
+            "prompts": num_prompts, "max_new_tokens": _NEW_TOKENS.value,
+            "hybrid_draft_cost": _DRAFT_COST.value, "settings": []}
+  for temperature in (float(t) for t in _TEMPERATURES.value):
+    sampling = SamplingParams(temperature=temperature)
+    # The earlier epoch: a plain rollout of every group at another seed.
+    epoch = run("plain", min(max(batches), group * num_prompts), sampling, 999, None)
+    epoch = epoch["responses"]
+    for batch in batches:
+      log(f"T={temperature} batch={batch}")
+      compiled = 0
+      if _PRECOMPILE.value:
+        compiled = sum(run(v, batch, sampling, 0, epoch, compile_only=True)["new_programs"]
+                       for v in VARIANTS)
+      for v in VARIANTS:       # warm-up
+        run(v, batch, sampling, 0, epoch)
+      rounds = [{v: run(v, batch, sampling, 1 + r, epoch) for v in VARIANTS}
+                for r in range(_REPEATS.value)]
+      entry = {"temperature": temperature, "batch": batch, "precompiled_programs": compiled,
+               "new_programs_timed": sum(x["new_programs"] for r in rounds for x in r.values())}
+      for v in VARIANTS:
+        runs = [r[v] for r in rounds]
+        entry[v] = {"tokens_per_s_median": statistics.median(x["tokens_per_s"] for x in runs),
+                    "speedup_paired_median": statistics.median(
+                        r[v]["tokens_per_s"] / r["plain"]["tokens_per_s"] for r in rounds)}
+        if "accept_len" in runs[0]:
+          entry[v]["accept_len_median"] = statistics.median(x["accept_len"] for x in runs)
+        if v == "hybrid":
+          entry[v]["learned_share_median"] = statistics.median(x["learned_share"] for x in runs)
+      speed = lambda v: entry[v]["speedup_paired_median"]
+      best_other = max(speed("learned"), speed("ngram_epoch"))
+      entry["goals"] = {
+          # Within noise: 5% of the better one's paired speedup.
+          "hybrid_ge_best_of_learned_and_model_free": speed("hybrid") >= 0.95 * best_other,
+          "hybrid_over_learned": speed("hybrid") / speed("learned")}
+      if temperature == 1:
+        entry["goals"]["ngram_siblings_accept_ge_2"] = (
+            entry["ngram_siblings"]["accept_len_median"] >= 2.0)
+      if batch >= 4:
+        entry["goals"]["hybrid_ge_1.2x_learned"] = speed("hybrid") >= 1.2 * speed("learned")
+      log(json.dumps(entry))
+      report["settings"].append(entry)
+  emit(report, _OUTPUT.value)
+
+
+if __name__ == "__main__":
+  cli.run(main)
