@@ -34,6 +34,8 @@ class HybridConfig:
   # A learned draft's time in verify passes. DESIGN.md 4b (2-core CPU, SmolLM2, batch 1):
   # a drafter step with an 8k draft vocabulary is 0.055 of a decode step and a 5-token
   # verify 1.49, so a depth-4 chain is ~0.15-0.2 of its verify; a wider head costs more.
+  # Measured (same setting, 4_1_5, greedy, one prompt, 64 tokens): a learned step 61 ms,
+  # a hybrid step whose rows all picked model-free 50.5 ms (verify + catch-up): 0.21.
   draft_cost: float = 0.2
   # Per-step discount of a row's counts: ~20 steps of memory.
   memory: float = 0.95
