@@ -58,15 +58,18 @@ def check_rollouts_after_precompile_compile_nothing(spec_kind: str) -> None:
     pool = "3_1_4"
     spec = SpecConfig(ngram_config=NgramConfig(), strategy=parse_strategies(pool)[0],
                       threshold=4, patience=1)
-  elif use_spec:
-    # epsilon=1: each chunk plays a random strategy, so every one of them comes up. A
-    # hybrid's strategies are chains (its two drafts share one verify shape).
-    pool = "2_1_3,3_1_4" if spec_kind == "hybrid" else pool
-    bandit = StrategyBandit(BanditConfig(parse_strategies(pool), epsilon=1.0, seed=3))
-    hybrid = (dict(ngram_config=NgramConfig(), hybrid=HybridConfig())
-              if spec_kind == "hybrid" else {})
+  elif spec_kind == "hybrid":
+    # One chain (a hybrid's two drafts share one verify shape): the bandit's programs are
+    # the learned case's.
+    pool = "3_1_4"
     spec = SpecConfig(drafter=drafter_lib.init_drafter_params(config, jax.random.key(1)),
-                      bandit=bandit, threshold=4, patience=1, **hybrid)
+                      ngram_config=NgramConfig(), hybrid=HybridConfig(),
+                      strategy=parse_strategies(pool)[0], threshold=4, patience=1)
+  elif use_spec:
+    # epsilon=1: each chunk plays a random strategy, so every one of them comes up.
+    bandit = StrategyBandit(BanditConfig(parse_strategies(pool), epsilon=1.0, seed=3))
+    spec = SpecConfig(drafter=drafter_lib.init_drafter_params(config, jax.random.key(1)),
+                      bandit=bandit, threshold=4, patience=1)
   kwargs = dict(max_new_tokens=[60, 5, 40, 9, 2, 33, 12, 60, 20],
                 sampling=SamplingParams(temperature=0.0), eos_ids=(7,), buckets=BUCKETS,
                 chunk_steps=3, spec=spec, **model_free)
