@@ -22,10 +22,10 @@ from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.strategy import SpecStrategy
 
 
-def _hybrid_spec(drafter, **fields):
+def _hybrid_spec(drafter, merge=False, **fields):
   fields = dict(dict(strategy=SpecStrategy(4, 1, 5), threshold=8, patience=2), **fields)
   return SpecConfig(drafter=drafter, ngram_config=NgramConfig(max_ngram=3),
-                    hybrid=hybrid.HybridConfig(), **fields)
+                    hybrid=hybrid.HybridConfig(merge=merge), **fields)
 
 
 def test_pick_follows_tokens_per_unit_cost():
@@ -51,16 +51,46 @@ def test_pick_follows_tokens_per_unit_cost():
   assert np.asarray(stats.tokens)[0].tolist() == [3 * steps[0, 0], steps[0, 1]]
 
 
-def test_hybrid_greedy_is_token_identical():
+def test_point_mass_then_drawn_sibling_emits_p():
+  """A merged tree's root: a point-mass child c tried first, then a child drawn from q
+  (which may draw c too). 60000 walks: the first emitted token follows p (chi-square at
+  p >= 0.001 catches a 2% total-variation shift), and both children are accepted often."""
+  import jax
+  from scipy.stats import chisquare
+
+  from tlt_jax.rollout.acceptance import recursive_rejection
+  vocab, n = 6, 60_000
+  k_p, k_q, k_draw, k_walk = jax.random.split(jax.random.key(7), 4)
+  p = jax.nn.softmax(1.5 * jax.random.normal(k_p, (vocab,)))
+  q = jax.nn.softmax(1.5 * jax.random.normal(k_q, (vocab,)))
+  c = jnp.argsort(-p)[1].astype(jnp.int32)            # the second most likely token
+  drawn = jax.random.categorical(k_draw, jnp.log(q), shape=(n,)).astype(jnp.int32)
+  tokens = jnp.stack([jnp.zeros(n, jnp.int32), jnp.full(n, c), drawn], axis=1)
+  draft_probs = jnp.broadcast_to(jnp.stack([q, jnp.zeros(vocab), q]), (n, 3, vocab))
+  point_mass = jnp.broadcast_to(jnp.array([False, True, False]), (n, 3))
+  num_accepted, path, emitted, _, _ = recursive_rejection(
+      k_walk, jnp.broadcast_to(p, (n, 3, vocab)), draft_probs, tokens,
+      jnp.zeros((n, 3), jnp.int32), 1, 2, point_mass)
+  path = np.asarray(path)[:, 1]
+  assert 0.1 < np.mean(path == 1) < 0.9 and 0.05 < np.mean(path == 2) < 0.9
+  observed = np.bincount(np.asarray(emitted)[:, 0], minlength=vocab)
+  expected = np.asarray(p, np.float64)
+  _, p_value = chisquare(observed, expected / expected.sum() * n)
+  assert p_value >= 1e-3, p_value
+
+
+@pytest.mark.parametrize("merge", [False, True], ids=["pick", "merge"])
+def test_hybrid_greedy_is_token_identical(merge):
   """Groups of 4 equal prompts of different lengths, each row with its own cap: the batch
-  of 16 compacts to 8 before SD switches on and again while it runs. Both kinds draft."""
+  of 16 compacts to 8 before SD switches on and again while it runs. Per-row picks: both
+  kinds draft. Merged trees: the random drafter's chain never beats the group's text."""
   config, params, drafter = _model(97, seed=2)
   prompts = [p for p in _prompts(97, (5, 9, 3, 12), seed=4) for _ in range(4)]
   caps = [6 + 3 * i for i in range(len(prompts))]
   plain = generate(params, config, prompts, max_new_tokens=caps, sampling=GREEDY,
                    eos_ids=(96,))
   sd = generate(params, config, prompts, max_new_tokens=caps, sampling=GREEDY, eos_ids=(96,),
-                spec=_hybrid_spec(drafter), chunk_steps=4)
+                spec=_hybrid_spec(drafter, merge), chunk_steps=4)
   for a, b in zip(plain.outputs, sd.outputs):
     assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
   scored = _forward_logprobs(params, config, prompts, [o.token_ids for o in sd.outputs])
@@ -72,7 +102,7 @@ def test_hybrid_greedy_is_token_identical():
   assert stats["spec/drafter"] == "hybrid" and stats["spec/verify_steps"] > 0
   share, accept = stats["spec/verify_share_by_drafter"], stats["spec/accept_len_by_drafter"]
   assert set(share) == set(accept) == {"learned", "ngram"}
-  assert 0 < share["learned"] < 1 and abs(sum(share.values()) - 1) < 1e-9, share
+  assert (0 < share["learned"] < 1 or merge) and abs(sum(share.values()) - 1) < 1e-9, share
   # The steps each kind won, weighted by its accept length, add up to the overall one.
   overall = share["learned"] * accept["learned"] + share["ngram"] * accept["ngram"]
   assert abs(overall - stats["spec/accept_len"]) < 1e-9
@@ -120,18 +150,21 @@ def _tokens(params, config, spec, seed, sampling, rows, length):
   return [o.token_ids for o in result.outputs], result.stats
 
 
-def test_hybrid_sampling_matches_plain_marginals(monkeypatch):
+@pytest.mark.parametrize("merge", [False, True], ids=["pick", "merge"])
+def test_hybrid_sampling_matches_plain_marginals(monkeypatch, merge):
   """Per-position marginals of 24 sampled tokens, hybrid SD vs plain, 16384 samples a side
   (chi-square homogeneity per position; 24 tests, so each at p >= 1e-4: 0.0024 family-wise).
   Power: plain sampling at T=0.75 against T=0.7 (~2% total variation per position) gives
-  p < 1e-4 at 17 of 24 positions, min 5e-9. Rows pick per step from their own outcomes:
+  p < 1e-4 at 17 of 24 positions, min 5e-9. Per-row picks (from each row's own outcomes):
   the learned drafter drafts ~0.36 of the steps (1.69 tokens each), model-free ~0.64
-  (1.55), from the repetitive prompt and the group's text."""
+  (1.55), from the repetitive prompt and the group's text. Merged trees (a point-mass
+  chain and a drawn one from the root): the path takes the learned chain in ~0.27."""
   from tlt_jax.rollout import engine
   monkeypatch.setattr(engine, "MAX_SD_THRESHOLD", 4096)   # SD on for the whole batch
   config, params, drafter = _model(6, seed=11)
   sampling = SamplingParams(temperature=0.7)
-  spec = _hybrid_spec(drafter, strategy=SpecStrategy(3, 1, 4), threshold=4096, patience=0)
+  spec = _hybrid_spec(drafter, merge, strategy=SpecStrategy(3, 1, 4), threshold=4096,
+                      patience=0)
   length, rows = 24, 4096
   plain = [collections.Counter() for _ in range(length)]
   sd = [collections.Counter() for _ in range(length)]

@@ -15,6 +15,12 @@ Model-free drafts are point masses: child c's q is one-hot on c, whatever was tr
 it, so it is accepted with p_i(c) and a rejection removes c from p_i and renormalizes;
 siblings are distinct tokens tried in their given order. Exactness only needs the tree
 to be fixed before this step's draws.
+
+A tree may mix the two (`point_mass`): a point-mass child is tried as above, and a
+rejection leaves the node's q alone, since the drawn siblings were drawn from all of q,
+independently of it; each drawn child x is then accepted with min(1, p_i(x)/q_i(x)) for
+the residual p_i it meets, which is the same induction (the candidate is independent of
+the residual's history).
 """
 from __future__ import annotations
 
@@ -32,13 +38,16 @@ def residual_probs(p: jax.Array, q: jax.Array) -> jax.Array:
 
 
 def recursive_rejection(key: jax.Array, target_probs: jax.Array, draft_probs: jax.Array | None,
-                        tokens: jax.Array, parents: jax.Array, depth: int, max_children: int
+                        tokens: jax.Array, parents: jax.Array, depth: int, max_children: int,
+                        point_mass: jax.Array | None = None
                         ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
   """Walks a verified tree from its root (verify index 0).
 
   target_probs [B, N, V]: p at each of the N verified nodes. draft_probs [B, N, V]: the q
   each node's children were drawn from (any row for a leaf); None: every draft is a point
-  mass (model-free, distinct siblings). tokens [B, N]; parents [B, N]:
+  mass (model-free, distinct siblings). point_mass [B, N] bool: with draft_probs, the nodes
+  that are point masses all the same (a model-free chain in a learned tree; a node's
+  point-mass children come before its drawn ones). tokens [B, N]; parents [B, N]:
   verify index of each node's parent (entry 0, the root's, is ignored). Siblings appear in
   the order they were drawn; a child's depth is its parent's plus one, at most `depth`;
   no node has more than `max_children` children.
@@ -68,10 +77,14 @@ def recursive_rejection(key: jax.Array, target_probs: jax.Array, draft_probs: ja
       untried = (parents == node[:, None]) & not_root & ~tried
       child = jnp.argmax(untried, axis=1)
       token = tokens[rows, child]
+      one_hot = lambda: jax.nn.one_hot(token, p.shape[-1], dtype=p.dtype)
+      drawn = jnp.ones((b,), bool) if point_mass is None else ~point_mass[rows, child]
       if point_masses:
-        q_now = jax.nn.one_hot(token, p.shape[-1], dtype=p.dtype)
+        q_now = one_hot()
       else:
         q_now = q / jnp.maximum(jnp.sum(q, axis=-1, keepdims=True), 1e-30)
+        if point_mass is not None:
+          q_now = jnp.where(drawn[:, None], q_now, one_hot())
       q_token, p_token = q_now[rows, token], p[rows, token]
       # A child whose token has no q mass left was drawn past q's support: never a draft.
       trying = walking & ~moved & untried[rows, child] & (q_token > 0)
@@ -82,7 +95,7 @@ def recursive_rejection(key: jax.Array, target_probs: jax.Array, draft_probs: ja
       node = jnp.where(accept, child, node)
       p = jnp.where(accept[:, None], target_probs[rows, child], p)
       if not point_masses:
-        q = jnp.where(reject[:, None], q.at[rows, token].set(0.0), q)
+        q = jnp.where((reject & drawn)[:, None], q.at[rows, token].set(0.0), q)
         q = jnp.where(accept[:, None], draft_probs[rows, child], q)
       moved = moved | accept
       tries.append(trying)

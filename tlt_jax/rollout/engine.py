@@ -85,6 +85,9 @@ class SpecConfig:
                              "(--drafter=ngram or --hybrid)")
       if kind == "hybrid" and self.hybrid is None:
         raise UserInputError(f"--strategy={s.name}: needs --hybrid")
+      if kind == "hybrid" and self.hybrid.merge and s.depth < 2:
+        raise UserInputError(f"--strategy={s.name}: a merged hybrid tree splits the depth "
+                             "between its two chains: needs depth >= 2")
       if kind != "learned" and s.topk > 1:
         # A hybrid's two drafts share one verify shape, so its learned drafts are chains too.
         raise UserInputError(f"--strategy={s.name}: model-free drafting proposes chains "

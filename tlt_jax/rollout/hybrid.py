@@ -14,6 +14,10 @@ model-free chain, the cheaper one.
 
 The pick reads only earlier steps' outcomes, never this step's draws: the verified draft
 is fixed before them, so verification stays exact whichever kind a row picks.
+
+`merge` selects the other design, one tree holding both drafts (see `HybridConfig`); its
+counts then record which kind's draft the accepted path took (model-free when none was
+accepted: it is tried first).
 """
 from __future__ import annotations
 
@@ -39,6 +43,10 @@ class HybridConfig:
   draft_cost: float = 0.2
   # Per-step discount of a row's counts: ~20 steps of memory.
   memory: float = 0.95
+  # The other design: no pick, one verify tree per step holding both drafts under the
+  # strategy's budget (`speculative._merged_tree`: the model-free chain over the first
+  # half of the depth, rounded up, tried first; the learned chain over the rest).
+  merge: bool = False
 
   def __post_init__(self):
     if not self.draft_cost >= 0:
@@ -60,6 +68,11 @@ def init_stats(batch: int) -> HybridStats:
   floats = lambda: jnp.zeros((batch, len(KINDS)), jnp.float32)
   return HybridStats(steps=ints(), tokens=ints(), recent_steps=floats(),
                      recent_tokens=floats())
+
+
+def merge_split(depth: int) -> tuple[int, int]:
+  """A merged tree's (model-free chain depth, learned chain depth) for a strategy depth."""
+  return depth - depth // 2, depth // 2
 
 
 def pick_learned(stats: HybridStats, config: HybridConfig, most_tokens: int) -> jax.Array:

@@ -403,6 +403,43 @@ def _hybrid_tree(key, params, drafter, head, vocab_ids, config, strategy, sampli
   return state, jax.tree.map(pick, drafted, chain)
 
 
+def _merged_tree(key, params, drafter, head, vocab_ids, config, strategy, sampling,
+                 ngram_config, attention_impl, rules, state: SpecState
+                 ) -> tuple[SpecState, VerifyTree, jax.Array]:
+  """One verify tree of the strategy's `depth + 1` tokens holding both drafts: the
+  model-free chain, tried first, and the learned drafter's chain, both from the root
+  (`hybrid.merge_split`). Also returns which nodes are point masses [B, V]: recursive
+  rejection tries the chain's head as one and the learned head as a draw from q."""
+  ngram_depth, learned_depth = hybrid_lib.merge_split(strategy.depth)
+  chain = _chain_tree(state.base.last_tokens,
+                      ngram.propose_chain(state.context, ngram_depth, ngram_config))
+  # The learned chain's own shape, with the strategy's rank counts (a chain draws one
+  # child per node, so they shape nothing: `_propose` keeps its one draw).
+  sub = SpecStrategy(learned_depth, 1, learned_depth + 1)
+  view = lambda counts: {sub.name: counts[strategy.name][:, :learned_depth]}
+  grown, learned = _learned_tree(
+      key, params, drafter, head, vocab_ids, config, sub, sampling, attention_impl, rules,
+      state.replace(rank_tries=view(state.rank_tries), rank_accepts=view(state.rank_accepts)))
+  state = grown.replace(rank_tries=state.rank_tries, rank_accepts=state.rank_accepts)
+  b, a = chain.tokens.shape[0], ngram_depth
+  v = 1 + ngram_depth + learned_depth
+  mask = jnp.zeros((b, v, v), bool).at[:, :a + 1, :a + 1].set(chain.mask)
+  mask = mask.at[:, a + 1:, 0].set(True).at[:, a + 1:, a + 1:].set(learned.mask[:, 1:, 1:])
+  learned_parents = learned.parents[:, 1:]
+  tree = VerifyTree(
+      tokens=jnp.concatenate([chain.tokens, learned.tokens[:, 1:]], axis=1),
+      depths=jnp.concatenate([chain.depths, learned.depths[:, 1:]], axis=1),
+      parents=jnp.concatenate([chain.parents,
+                               jnp.where(learned_parents == 0, 0, learned_parents + a)], 1),
+      mask=mask,
+      # The chain's nodes' children are point masses: their q rows are never read.
+      draft_probs=None if learned.draft_probs is None else jnp.concatenate(
+          [learned.draft_probs[:, :1], jnp.zeros_like(learned.draft_probs[:, :1]).repeat(a, 1),
+           learned.draft_probs[:, 1:]], axis=1))
+  point_mass = (jnp.arange(v) >= 1) & (jnp.arange(v) <= a)
+  return state, tree, jnp.broadcast_to(point_mass, (b, v))
+
+
 def _count_ranks(state: SpecState, strategy: SpecStrategy, tries: jax.Array,
                  accepts: jax.Array, live: jax.Array) -> SpecState:
   """Adds one step's [B, depth, topk] try / accept counts of live rows to the statistics
@@ -441,7 +478,13 @@ def spec_step(params: Params, drafter: DrafterParams | None, head: jax.Array | N
     kind = "learned" if ngram_config is None else "ngram" if drafter is None else "hybrid"
   ratio = draft_temperature_ratio if strategy.topk > 1 else 1.0
   draft_sampling = dataclasses.replace(sampling, temperature=sampling.temperature * ratio)
-  if kind == "hybrid":
+  merged = kind == "hybrid" and hybrid.merge
+  point_mass = None
+  if merged:
+    state, tree, point_mass = _merged_tree(draft_key, params, drafter, head, vocab_ids, config,
+                                           strategy, draft_sampling, ngram_config,
+                                           attention_impl, rules, state)
+  elif kind == "hybrid":
     use_learned = hybrid_lib.pick_learned(state.hybrid, hybrid, depth + 1)
     state, tree = _hybrid_tree(draft_key, params, drafter, head, vocab_ids, config, strategy,
                                draft_sampling, ngram_config, attention_impl, rules, state,
@@ -468,9 +511,12 @@ def spec_step(params: Params, drafter: DrafterParams | None, head: jax.Array | N
   else:
     p = jnp.exp(processed_logprobs(logits, sampling))
     num_accepted, path, emitted, tries, accepts = recursive_rejection(
-        accept_key, p, tree.draft_probs, tree.tokens, tree.parents, depth, strategy.topk)
-    if learned:   # the rank statistics shape learned trees: only their steps count
+        accept_key, p, tree.draft_probs, tree.tokens, tree.parents, depth,
+        2 if merged else strategy.topk, point_mass)
+    if learned and not merged:   # the rank statistics shape learned trees: their steps count
       state = _count_ranks(state, strategy, tries, accepts, live & use_learned)
+  if merged:   # the kind whose draft the path took
+    use_learned = (num_accepted > 0) & (path[:, 1] > hybrid_lib.merge_split(depth)[0])
   in_path = jnp.arange(depth + 1)[None, :] <= num_accepted[:, None]
 
   # Only the path's K/V enter the cache, in consecutive slots (the rest of the tree is
