@@ -11,7 +11,8 @@ at once. Variants:
   plain; learned (the drafter alone); ngram_prompt (each row's own prompt and text);
   ngram_siblings (+ the group's other samples); ngram_epoch (+ an earlier epoch's responses
   to the prompt: a plain rollout of the same groups at another seed); hybrid (the learned
-  drafter and ngram_epoch's context, each row picking per verify step).
+  drafter and ngram_epoch's context, each row picking per verify step); hybrid_merge (the
+  same sources, one verify tree per step holding both chains under the same budget).
 After precompiling every variant's programs and one warm-up of each, a round runs every
 variant once, in turn (alternated), --repeats rounds. Per variant: medians of tokens/s and
 accept length, and the median over rounds of its tokens/s over plain's in the same round
@@ -49,12 +50,14 @@ _OUTPUT = flags.DEFINE_string("output", None, "Also write the JSON here.")
 _SEED = flags.DEFINE_integer("seed", 12345, "Prompt seed (held out from drafter training).")
 
 _TASKS = ["gsm_symbolic", "basic_arithmetic", "chain_sum"]
-VARIANTS = ("plain", "learned", "ngram_prompt", "ngram_siblings", "ngram_epoch", "hybrid")
+VARIANTS = ("plain", "learned", "ngram_prompt", "ngram_siblings", "ngram_epoch", "hybrid",
+            "hybrid_merge")
 # What each variant's rows draft from: (drafter kind, the group's rows, earlier siblings'
 # and an earlier epoch's responses).
 _SOURCES = {"plain": (None, False, False), "learned": ("learned", False, False),
             "ngram_prompt": ("ngram", False, False), "ngram_siblings": ("ngram", True, False),
-            "ngram_epoch": ("ngram", True, True), "hybrid": ("hybrid", True, True)}
+            "ngram_epoch": ("ngram", True, True), "hybrid": ("hybrid", True, True),
+            "hybrid_merge": ("hybrid_merge", True, True)}
 
 
 def log(message: str) -> None:
@@ -125,17 +128,18 @@ def main(argv):
              for _, q in build_questions(_TASKS, num_prompts, _SEED.value)]
   ngram_config = NgramConfig(max_ngram=_MAX_NGRAM.value)
   sd = dict(strategy=strategy, patience=0)
+  hybrid = lambda batch, merge: SpecConfig(
+      drafter=drafter, vocab_ids=vocab_ids, ngram_config=ngram_config,
+      hybrid=HybridConfig(draft_cost=_DRAFT_COST.value, merge=merge), threshold=batch, **sd)
   specs = lambda batch: {
       "plain": None,
       "learned": SpecConfig(drafter=drafter, vocab_ids=vocab_ids, threshold=batch, **sd),
       "ngram": SpecConfig(ngram_config=ngram_config, threshold=batch, **sd),
-      "hybrid": SpecConfig(drafter=drafter, vocab_ids=vocab_ids, ngram_config=ngram_config,
-                           hybrid=HybridConfig(draft_cost=_DRAFT_COST.value),
-                           threshold=batch, **sd)}
+      "hybrid": hybrid(batch, False), "hybrid_merge": hybrid(batch, True)}
 
   def rollout_args(call, kind, siblings, use_epoch, done, epoch, batch):
     args = dict(max_new_tokens=_NEW_TOKENS.value, eos_ids=eos)
-    if kind in ("ngram", "hybrid"):
+    if kind in ("ngram", "hybrid", "hybrid_merge"):
       args["group_ids"], args["draft_context"] = draft_inputs(
           call, done, epoch if use_epoch else None, group, siblings, batch)
     return args
@@ -204,14 +208,15 @@ def main(argv):
                         r[v]["tokens_per_s"] / r["plain"]["tokens_per_s"] for r in rounds)}
         if "accept_len" in runs[0]:
           entry[v]["accept_len_median"] = statistics.median(x["accept_len"] for x in runs)
-        if v == "hybrid":
+        if v.startswith("hybrid"):
           entry[v]["learned_share_median"] = statistics.median(x["learned_share"] for x in runs)
       speed = lambda v: entry[v]["speedup_paired_median"]
       best_other = max(speed("learned"), speed("ngram_epoch"))
       entry["goals"] = {
           # Within noise: 5% of the better one's paired speedup.
           "hybrid_ge_best_of_learned_and_model_free": speed("hybrid") >= 0.95 * best_other,
-          "hybrid_over_learned": speed("hybrid") / speed("learned")}
+          "hybrid_over_learned": speed("hybrid") / speed("learned"),
+          "hybrid_over_hybrid_merge": speed("hybrid") / speed("hybrid_merge")}
       if temperature == 1:
         entry["goals"]["ngram_siblings_accept_ge_2"] = (
             entry["ngram_siblings"]["accept_len_median"] >= 2.0)

@@ -42,6 +42,10 @@ _HYBRID = flags.DEFINE_bool(
     "hybrid", False, "With --drafter=DIR: each row picks, per verify step, the learned "
     "drafter's chain or a model-free one, whichever has emitted more tokens per unit time "
     "for it so far (tlt_jax.rollout.hybrid).")
+_HYBRID_MERGE = flags.DEFINE_bool(
+    "hybrid_merge", False, "With --hybrid: the other design, one verify tree per step holding "
+    "both chains (model-free over the first half of the strategy's depth, learned over the "
+    "rest) instead of a per-row pick.")
 _STRATEGY = flags.DEFINE_string(
     "strategy", "4_1_5", "SD strategy [KIND:]DEPTH_TOPK_VERIFYTOKENS, or a comma-separated "
     "pool of them: a bandit (BEG-MAB) then picks one per chunk by live batch size. KIND "
@@ -104,6 +108,8 @@ def tokenize_prompts(prompts: list, tokenizer, vocab_size: int, chat: bool) -> l
 
 def check_hybrid() -> None:
   """--hybrid pairs a learned drafter with model-free drafts."""
+  if _HYBRID_MERGE.value and not _HYBRID.value:
+    raise UserInputError("--hybrid_merge needs --hybrid")
   if not _HYBRID.value:
     return
   if _DRAFTER.value is None:
@@ -152,7 +158,7 @@ def load_spec(config, dtype, strategy_choice: dict):
                          "an ngram: strategy)")
   hybrid = dict(ngram_config=ngram_config()) if model_free else {}
   if _HYBRID.value:
-    hybrid["hybrid"] = HybridConfig()
+    hybrid["hybrid"] = HybridConfig(merge=_HYBRID_MERGE.value)
   return speculation_config(_DRAFTER.value, config, dtype, threshold=_SD_THRESHOLD.value,
                             patience=_SD_PATIENCE.value, **strategy_choice, **hybrid,
                             **({} if _DRAFT_TEMPERATURE_RATIO.value is None else

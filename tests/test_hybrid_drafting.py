@@ -193,7 +193,8 @@ def test_hybrid_bad_input_is_one_line(tmp_path):
     hybrid.HybridConfig(memory=1.0)
   (tmp_path / "prompts.json").write_text(json.dumps([[1, 2, 3]]))
   for flags, message in ((["--drafter=ngram", "--hybrid"], "--drafter=ngram is model-free"),
-                         (["--hybrid"], "--hybrid needs --drafter=DIR")):
+                         (["--hybrid"], "--hybrid needs --drafter=DIR"),
+                         (["--drafter=ngram", "--hybrid_merge"], "--hybrid_merge needs")):
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.generate", "--model=/nonexistent",
          f"--prompts_json={tmp_path / 'prompts.json'}", f"--output_json={tmp_path / 'o.json'}",
