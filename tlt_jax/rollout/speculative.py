@@ -390,15 +390,21 @@ def _hybrid_tree(key, params, drafter, head, vocab_ids, config, strategy, sampli
   if not sampling.greedy:
     chain = _point_mass_probs(chain, config.vocab_size)
 
-  def learned(s):
-    return _learned_tree(key, params, drafter, head, vocab_ids, config, strategy, sampling,
-                         attention_impl, rules, s)
+  # The branches take and return the drafter's cache alone: with the whole state (the
+  # target's cache included) as the conditional's operand, a step cost ~15% more (batch 4).
+  def learned(draft_cache):
+    grown, tree = _learned_tree(key, params, drafter, head, vocab_ids, config, strategy,
+                                sampling, attention_impl, rules,
+                                state.replace(draft_cache=draft_cache))
+    return grown.draft_cache, tree
 
-  def model_free(s):
-    return _caught_up(params, drafter, config, attention_impl, rules, s), chain
+  def model_free(draft_cache):
+    return _caught_up(params, drafter, config, attention_impl, rules,
+                      state.replace(draft_cache=draft_cache)).draft_cache, chain
 
-  state, drafted = jax.lax.cond(jnp.any(use_learned & ~state.base.done), learned, model_free,
-                                state)
+  draft_cache, drafted = jax.lax.cond(jnp.any(use_learned & ~state.base.done), learned,
+                                      model_free, state.draft_cache)
+  state = state.replace(draft_cache=draft_cache)
   pick = lambda a, b: jnp.where(use_learned.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
   return state, jax.tree.map(pick, drafted, chain)
 
@@ -485,7 +491,7 @@ def spec_step(params: Params, drafter: DrafterParams | None, head: jax.Array | N
                                            strategy, draft_sampling, ngram_config,
                                            attention_impl, rules, state)
   elif kind == "hybrid":
-    use_learned = hybrid_lib.pick_learned(state.hybrid, hybrid, depth + 1)
+    use_learned = hybrid_lib.pick_learned(state.hybrid, hybrid, depth + 1, live)
     state, tree = _hybrid_tree(draft_key, params, drafter, head, vocab_ids, config, strategy,
                                draft_sampling, ngram_config, attention_impl, rules, state,
                                use_learned)
