@@ -162,9 +162,10 @@ def test_hybrid_sampling_matches_plain_marginals(monkeypatch, merge):
   (chi-square homogeneity per position; 24 tests, so each at p >= 1e-4: 0.0024 family-wise).
   Power: plain sampling at T=0.75 against T=0.7 (~2% total variation per position) gives
   p < 1e-4 at 17 of 24 positions, min 5e-9. Per-row picks (from each row's own outcomes):
-  the learned drafter drafts ~0.36 of the steps (1.69 tokens each), model-free ~0.64
-  (1.55), from the repetitive prompt and the group's text. Merged trees (a point-mass
-  chain and a drawn one from the root): the path takes the learned chain in ~0.27."""
+  the learned drafter drafts ~0.56 of the steps (1.66 tokens each), model-free ~0.44
+  (1.58), from the repetitive prompt and the group's text; 1.62 overall. Merged trees (a
+  point-mass chain and a drawn one from the root): the path takes the learned chain in
+  ~0.27 of the steps; 1.74 overall."""
   from tlt_jax.rollout import engine
   monkeypatch.setattr(engine, "MAX_SD_THRESHOLD", 4096)   # SD on for the whole batch
   config, params, drafter = _model(6, seed=11)
