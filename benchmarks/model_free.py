@@ -205,7 +205,9 @@ def main(argv):
         runs = [r[v] for r in rounds]
         entry[v] = {"tokens_per_s_median": statistics.median(x["tokens_per_s"] for x in runs),
                     "speedup_paired_median": statistics.median(
-                        r[v]["tokens_per_s"] / r["plain"]["tokens_per_s"] for r in rounds)}
+                        r[v]["tokens_per_s"] / r["plain"]["tokens_per_s"] for r in rounds),
+                    # Nonzero: a timed run compiled (its figures measure the compiler too).
+                    "new_programs_timed": sum(x["new_programs"] for x in runs)}
         if "accept_len" in runs[0]:
           entry[v]["accept_len_median"] = statistics.median(x["accept_len"] for x in runs)
         if v.startswith("hybrid"):
