@@ -19,6 +19,15 @@ is fixed before them, so verification stays exact whichever kind a row picks.
 `merge` selects the other design, one tree holding both drafts (see `HybridConfig`); its
 counts then record which kind's draft the accepted path took (model-free when none was
 accepted: it is tried first).
+
+Why the pick is the default: under one token budget the merged tree halves each chain's
+depth and always pays the drafter, while the pick gives the winning kind the whole depth
+and skips the drafter when every row picks the chain. SmolLM2, 2-core CPU, batch 1, 4_1_5,
+96 tokens, an earlier epoch's response as draft context (two timed runs each, noisy):
+T=0: plain 31-35 tokens/s, learned 42-48 (accept 2.71), n-gram 53-67 (3.65), pick 58-61
+(3.52, learned 0.11 of steps), merge 43-46 (2.71); T=1: plain 36-38, learned 37-38
+(2.0-2.2), n-gram 20-31 (1.1-1.4), pick 35-40 (1.9-2.1), merge 19-35 (1.6-1.8). The pick
+follows the better kind; the merged tree trails both.
 """
 from __future__ import annotations
 
