@@ -201,7 +201,7 @@ class _Harvest:
     self.logprobs: list = [None] * num_prompts
     self.spec_steps = np.zeros((num_prompts,), np.int64)
     self.spec_tokens = np.zeros((num_prompts,), np.int64)
-    # Hybrid only: verify steps each drafter kind drafted, and the tokens they emitted.
+    # With both sources: verify steps each drafter kind drafted, and the tokens they emitted.
     self.kind_steps = np.zeros((num_prompts, len(hybrid_lib.KINDS)), np.int64)
     self.kind_tokens = np.zeros((num_prompts, len(hybrid_lib.KINDS)), np.int64)
 

@@ -76,7 +76,9 @@ class SpecState:
   rank_tries: dict[str, jax.Array]
   rank_accepts: dict[str, jax.Array]
   context: ngram.DraftContext | None = None   # model-free drafting's token pool
-  hybrid: hybrid_lib.HybridStats | None = None   # hybrid drafting's per-row bandit
+  # With both sources (hybrid, or a pool mixing kinds): each row's steps and tokens by
+  # drafter kind, which the hybrid's per-row pick reads.
+  hybrid: hybrid_lib.HybridStats | None = None
 
 
 class VerifyTree(NamedTuple):
@@ -593,7 +595,8 @@ def spec_chunk(params: Params, drafter: DrafterParams | None, head: jax.Array | 
     return i + 1, spec_step(params, drafter, head, vocab_ids, s, config=config,
                             strategy=strategy, sampling=sampling, eos_ids=eos_ids,
                             max_new_tokens=max_new_tokens, ngram_config=ngram_config,
-                            hybrid=hybrid, kind=kind, draft_temperature_ratio=draft_temperature_ratio,
+                            hybrid=hybrid, kind=kind,
+                            draft_temperature_ratio=draft_temperature_ratio,
                             attention_impl=attention_impl, rules=rules)
 
   def cond(carry):
