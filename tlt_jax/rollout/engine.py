@@ -438,13 +438,18 @@ def draft_groups(prompts: Sequence[Sequence[int]], group_ids: Sequence[int] | No
 
 
 def draft_pool(texts: Sequence[Sequence[int]], groups: Sequence[int],
-               extras: Sequence[Sequence[int]], row_ids: np.ndarray, plan: RolloutPlan,
-               buckets: BucketSpec) -> ngram.DraftContext:
+               extras: Sequence[Sequence[int]], row_ids: np.ndarray,
+               plan: RolloutPlan) -> ngram.DraftContext:
   """The model-free pool: every prompt's text so far (texts; prompt i is entry i, which
   batch rows find through row_ids) and the non-empty extras, each in its prompt's group."""
   with_extras = [i for i, extra in enumerate(extras) if extra]
   entries = list(texts) + [extras[i] for i in with_extras]
-  length = max(plan.cache_len, buckets.cache_length(max(map(len, entries))))
+  # The cache length, doubled until the longest entry fits: extras longer than the cache
+  # (several earlier responses) then take a few lengths, not one per cache page, so rollouts
+  # whose extras differ a little share programs.
+  length, longest = plan.cache_len, max(map(len, entries))
+  while length < longest:
+    length *= 2
   return ngram.build_context(entries, list(groups) + [groups[i] for i in with_extras],
                              row_ids, length)
 
@@ -549,7 +554,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
         spec_on_at = time.perf_counter() - start
         if spec.ngram_config is not None:
           texts = [list(p) + out for p, out in zip(prompts, harvest.so_far(state, row_ids))]
-          pool = draft_pool(texts, groups, extras, row_ids, plan, buckets)
+          pool = draft_pool(texts, groups, extras, row_ids, plan)
           context_sizes = pool.sizes
         if spec.drafter is None:
           state = speculative.start_model_free(state, pool, rules)

@@ -96,8 +96,7 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
       state = states.pop(b)
       # The pool's shapes depend neither on its text nor on the rows left.
       pool = (None if spec.ngram_config is None else
-              draft_pool([[0]] * len(prompts), groups, extras, np.full((b,), -1), plan,
-                         buckets))
+              draft_pool([[0]] * len(prompts), groups, extras, np.full((b,), -1), plan))
       if not learned:
         spec_states[b] = speculative.start_model_free(state, pool, rules)
       for length in prefill_lens:
