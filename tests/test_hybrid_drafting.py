@@ -85,13 +85,15 @@ def test_point_mass_then_drawn_sibling_emits_p():
   assert p_value >= 1e-3, p_value
 
 
-@pytest.mark.parametrize("merge", [False, True], ids=["pick", "merge"])
-def test_hybrid_greedy_is_token_identical(merge):
-  """Groups of 4 equal prompts of different lengths, each row with its own cap: the batch
+@pytest.mark.parametrize("merge,group_size", [(False, 4), (True, 4), (False, 8)],
+                         ids=["pick", "merge", "pick-G8"])
+def test_hybrid_greedy_is_token_identical(merge, group_size):
+  """Groups of equal prompts of different lengths, each row with its own cap: the batch
   of 16 compacts to 8 before SD switches on and again while it runs. Per-row picks: both
   kinds draft. Merged trees: the random drafter's chain never beats the group's text."""
   config, params, drafter = _model(97, seed=2)
-  prompts = [p for p in _prompts(97, (5, 9, 3, 12), seed=4) for _ in range(4)]
+  lengths = (5, 9, 3, 12) if group_size == 4 else (7, 11)
+  prompts = [p for p in _prompts(97, lengths, seed=4) for _ in range(group_size)]
   caps = [6 + 3 * i for i in range(len(prompts))]
   plain = generate(params, config, prompts, max_new_tokens=caps, sampling=GREEDY,
                    eos_ids=(96,))
@@ -114,7 +116,7 @@ def test_hybrid_greedy_is_token_identical(merge):
   assert abs(overall - stats["spec/accept_len"]) < 1e-9
   # The group's repeated greedy text drafts well, the random drafter badly.
   assert accept["ngram"] > accept["learned"] and share["ngram"] > 0.5, (accept, share)
-  assert stats["spec/context_sizes"] == {"entries": 16, "length": 128, "members": 4}
+  assert stats["spec/context_sizes"] == {"entries": 16, "length": 128, "members": group_size}
 
 
 def test_mixed_pool_greedy_is_token_identical():
