@@ -54,6 +54,10 @@ PEER_DRIVERS = {"trl": "benchmarks/peers/trl_grpo.py", "tunix": "benchmarks/peer
 PEER_PACKAGES = {"trl": ["trl==1.16.0", "torch==2.13.0"], "tunix": ["google-tunix==0.1.7"]}
 STEP_PREFIX = "BENCH_STEP "   # the drivers' per-step JSON lines
 PHASES = ("rollout_s", "reference_s", "reward_s", "train_s", "step_s")
+# At T=1 each side samples its own responses, so a side that happened to draw longer ones
+# does more work: phase times are also compared per token of the work they scale with.
+PER_TOKEN = {"rollout_s": "response_tokens", "reference_s": "train_tokens",
+             "train_s": "train_tokens", "step_s": "train_tokens"}
 
 _STEPS = flags.DEFINE_integer("steps", 4, "RL steps per run, --warmup_steps of them untimed.",
                               lower_bound=2)
@@ -314,11 +318,21 @@ def side_summary(rounds: list[list[dict]], num_params: int, matmul_gflops: float
   return {"median": medians, "median_tokens": {k: v for k, v in tokens.items() if v is not None},
           "per_round_median": [{k: median_of(run[warmup:], k) for k in PHASES}
                                for run in rounds],
+          "per_round_median_per_token": [per_token_medians(run[warmup:]) for run in rounds],
           "peak_rss_gib": max(r["peak_rss_gib"] for run in rounds for r in run),
           **flop_rates, "timed_steps": len(timed),
           # Project only: timed steps that compiled new programs (their times include it).
           "timed_steps_compiling": sum(1 for r in timed if r.get("new_programs")),
           "steps": rounds}
+
+
+def per_token_medians(records: list[dict]) -> dict:
+  """Median seconds per token (`PER_TOKEN`) of each phase over `records`."""
+  out = {}
+  for key, tokens in PER_TOKEN.items():
+    values = [r[key] / r[tokens] for r in records if r.get(key) and r.get(tokens)]
+    out[key] = statistics.median(values) if values else None
+  return out
 
 
 def paired(project_rounds: dict, peer_rounds: dict) -> dict:
@@ -386,6 +400,9 @@ def main(argv):
     for peer in peers:
       comparisons[f"{peer}_over_{mine}"] = paired(summaries[mine]["per_round_median"],
                                                   summaries[peer]["per_round_median"])
+      comparisons[f"{peer}_over_{mine}_per_token"] = paired(
+          summaries[mine]["per_round_median_per_token"],
+          summaries[peer]["per_round_median_per_token"])
   report = {
       "workload": {"model": f"SmolLM2-135M-Instruct (fp32, {config.num_params / 1e6:.1f}M "
                             "params, full fine-tune)",
@@ -404,7 +421,9 @@ def main(argv):
       "protocol": {"steps_per_run": _STEPS.value, "rounds": _REPEATS.value,
                    "order": sides,
                    "timed": f"steps {_WARMUP.value + 1}..{_STEPS.value} of every run",
-                   "ratios": "peer time / project time per round (> 1: project faster)",
+                   "ratios": "peer time / project time per round (> 1: project faster); "
+                             "_per_token: the same over seconds per token (rollout per "
+                             "response token, the rest per trained token)",
                    "note": "same prompts and seeds every round; each side samples its own "
                            "tokens, so response lengths differ (see median_tokens)"},
       "cpu": {"matmul_gflops": matmul_gflops, "matmul_start": matmul_start,
@@ -414,6 +433,9 @@ def main(argv):
       "faster_peer": faster_peer,
       "vs_faster_peer": {mine: comparisons[f"{faster_peer}_over_{mine}"]
                          for mine in sides if mine in PROJECT_SIDES and faster_peer},
+      "vs_faster_peer_per_token": {
+          mine: comparisons[f"{faster_peer}_over_{mine}_per_token"]
+          for mine in sides if mine in PROJECT_SIDES and faster_peer},
       "paired": comparisons,
       "sides": summaries,
   }

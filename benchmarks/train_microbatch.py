@@ -9,7 +9,10 @@ step's) goes through the policy's `accumulate_grads` (forward, loss, backward, K
 matmul rate at the micro-batch's layer and head shapes (`benchmarks/matmul_rate.py`, the
 rate benchmarks/rl_step.py holds its train phase against): A B C A B C ...
 FLOPs count the matmuls the pass really does (every slot through the layers, the LM head
-on the scored slots only; attention left out), x3 for forward + backward. Medians after a
+on the scored slots only; attention left out), x3 for forward + backward. Beside them, the floor: the same weight matmuls
+(forward, dx, dw) timed as lone calls (`training_matmul_seconds`), so `train_frac_of_floor`
+says how much of the micro-batch is anything else, and `ceiling_train_frac_of_matmul` is
+the best rl_step.py's train_frac_of_matmul could read on fully packed rows. Medians after a
 warm-up call each; compile time excluded. One JSON object on stdout.
 """
 from __future__ import annotations
@@ -24,7 +27,7 @@ sys.path.insert(0, REPO)
 
 from absl import flags  # noqa: E402
 
-from benchmarks.matmul_rate import matmul_throughput  # noqa: E402
+from benchmarks.matmul_rate import matmul_throughput, training_matmul_seconds  # noqa: E402
 from benchmarks.report import emit  # noqa: E402
 from experiments import cli  # noqa: E402
 
@@ -84,19 +87,22 @@ def main(argv):
   slots = _ROWS.value * _SEQ_LEN.value
   for fn in (train, forward):
     fn()                                   # compile and warm up
+  scored = len(rows.scored_slots)
   times = {"train": [], "forward": []}
-  matmul_rounds = []
+  matmul_rounds, floor_rounds = [], []
   for _ in range(_REPEATS.value):
     for name, fn in (("train", train), ("forward", forward)):
       start = time.perf_counter()
       fn()
       times[name].append(time.perf_counter() - start)
     matmul_rounds.append(matmul_throughput(config, slots, reps=MATMUL_REPS)["gflops"])
+    floor_rounds.append(training_matmul_seconds(config, slots, scored, reps=MATMUL_REPS))
   median = {name: statistics.median(t) for name, t in times.items()}
+  floor = {key: statistics.median(r[key] for r in floor_rounds)
+           for key in ("seconds", "forward_s", "backward_s")}
 
   embed = config.vocab_size * config.hidden_size
   layer_params = config.num_params - embed - (0 if config.tie_word_embeddings else embed)
-  scored = len(rows.scored_slots)
   forward_flops = 2 * layer_params * slots + 2 * embed * scored
   matmul_gflops = statistics.median(matmul_rounds)
   train_gflops = 3 * forward_flops / median["train"] / 1e9
@@ -112,6 +118,13 @@ def main(argv):
                          "forward": forward_gflops / matmul_gflops},
       "flops_counted": "matmuls over every slot in the layers, the LM head on scored slots, "
                        "x3 for forward+backward; attention not counted",
+      # The floor: the same weight matmuls timed alone, forward and both backward ones.
+      "matmul_floor_s": floor, "matmul_floor_per_shape": floor_rounds[-1]["gflops_per_shape"],
+      "train_frac_of_floor": floor["seconds"] / median["train"],
+      # What rl_step.py's train_frac_of_matmul (6 x params x tokens at the forward-shape
+      # rate) would read for fully packed rows if the program did only its matmuls.
+      "ceiling_train_frac_of_matmul": (6 * config.num_params * slots / (matmul_gflops * 1e9)
+                                       / floor["seconds"]),
   }, _OUTPUT.value)
 
 

@@ -52,8 +52,8 @@ _STRATEGY = flags.DEFINE_string("strategy", "4_1_5", "SD strategy DEPTH_TOPK_VER
 _SD_THRESHOLD = flags.DEFINE_integer("sd_threshold", 32, "SD on at <= this many live rows ...")
 _SD_PATIENCE = flags.DEFINE_integer("sd_patience", 10, "... for this many decode steps.")
 _PRECOMPILE = flags.DEFINE_bool("precompile", False, "Compile every program a step's rollout "
-                                "can dispatch before step 1 (minutes on CPU), so no step "
-                                "waits on the compiler mid-rollout.")
+                                "and update can dispatch before step 1 (minutes on CPU), so "
+                                "no step waits on the compiler.")
 _ATTENTION = flags.DEFINE_enum("attention_impl", "auto", ["auto", "reference", "pallas",
                                                           "triton"], "Rollout attention kernel.")
 # ---- algorithm
@@ -152,15 +152,20 @@ class Run:
             f"({_PROMPTS.value} x {_GROUP.value} per step, <= {_MAX_NEW.value} tokens{sd})")
 
   def precompile(self) -> None:
-    """`--precompile`: every program a step's rollout can dispatch, compiled now."""
+    """`--precompile`: every program a step can dispatch, compiled now."""
     if not _PRECOMPILE.value:
       return
     from tlt_jax.rl.learner import return_free_heap
     from tlt_jax.rl.rollout import precompile_rollouts
-    print("precompiling the rollout's programs ...", file=sys.stderr)
+    from tlt_jax.rl.update import precompile_training
+    print("precompiling the rollout's and the update's programs ...", file=sys.stderr)
     start = time.perf_counter()
-    count = precompile_rollouts(self.learner.rollout_params, self.learner.config,
-                                _PROMPTS.value, _MAX_PROMPT_LEN.value, self.learner.rollout)
+    learner = self.learner
+    count = precompile_rollouts(learner.rollout_params, learner.config, _PROMPTS.value,
+                                _MAX_PROMPT_LEN.value, learner.rollout)
+    ctx = learner.update
+    count += precompile_training(learner.state, ctx, score=ctx.loss.uses_reference
+                                 or ctx.update.updates_per_step > 1)
     return_free_heap()
     print(f"precompiled {count} programs in {time.perf_counter() - start:.0f} s",
           file=sys.stderr)

@@ -399,3 +399,22 @@ def test_logprob_and_entropy_gradient_matches_autodiff(temperature):
   np.testing.assert_allclose(ours(logits), autodiff(logits), rtol=1e-6)
   np.testing.assert_allclose(jax.grad(objective(ours))(logits),
                              jax.grad(objective(autodiff))(logits), atol=1e-5)
+
+
+def test_micro_batch_shapes_are_the_precompiled_ones():
+  """Every micro-batch of any step has one of `possible_shapes` (what --precompile builds),
+  and all of them turn up."""
+  from tlt_jax.rl.batching import Sequences, micro_batches, pack, possible_shapes
+  rng = np.random.default_rng(0)
+  shapes = set(possible_shapes(4, 64))
+  seen = set()
+  for i in range(300):
+    n = int(rng.integers(1, 24))
+    max_prompt, max_response = [(20, 45), (3, 45), (20, 5)][i % 3]   # all response lengths
+    prompts = [[1] * int(rng.integers(1, max_prompt)) for _ in range(n)]
+    responses = [[2] * int(rng.integers(1, max_response)) for _ in range(n)]
+    sequences = Sequences(prompts, responses)
+    layout = pack(sequences, range(n), 64)
+    for rows in micro_batches(layout, sequences, 4, {}, {}):
+      seen.add((rows.tokens.shape[0], rows.scored_slots.shape[0]))
+  assert seen == shapes, (sorted(seen), sorted(shapes))

@@ -64,8 +64,10 @@ def test_run_dir_holds_every_artifact(finished_run):
               "rollout/logprob_diff_mean"):
     assert key in records[1], key
   assert "val/accuracy" in records[0] and "val/accuracy" in records[2]
-  # --precompile built every rollout program before step 1, whatever a step's prompts.
+  # --precompile built every rollout and update program before step 1, whatever a step's
+  # prompts and response lengths.
   assert [r["compile/rollout_new_programs"] for r in records[1:]] == [0] * 4
+  assert [r["compile/new_programs"] for r in records[1:]] == [0] * 4
   assert "precompiled" in proc.stderr
   # One update per step: the ratio's old side is the rollout's log-probs, which the
   # trainer reproduces up to rounding.

@@ -114,6 +114,28 @@ def scored_slot_count(response_slots: int, total_slots: int) -> int:
   return min(total_slots, max(quarter, -(-response_slots // quarter) * quarter))
 
 
+def possible_shapes(micro_rows: int, seq_len: int) -> list[tuple[int, int]]:
+  """Every (row count, scored slot count) a micro-batch can have: the train programs'
+  shapes."""
+  shapes = set()
+  for count in possible_row_counts(micro_rows):
+    total = count * seq_len
+    shapes.update((count, scored_slot_count(n, total))
+                  for n in range(0, total + 1, -(-total // 4)))
+  return sorted(shapes)
+
+
+def empty_rows(count: int, seq_len: int, scored: int) -> TrainRows:
+  """A micro-batch of `count` padding rows with `scored` (dropped) scored slots: what the
+  train programs are compiled for."""
+  zeros = lambda dtype: np.zeros((count, seq_len), dtype)
+  fields = {name: zeros(np.float32) for name in TrainRows.__dataclass_fields__
+            if name not in ("tokens", "positions", "segment_ids", "scored_slots")}
+  return TrainRows(tokens=zeros(np.int32), positions=zeros(np.int32),
+                   segment_ids=zeros(np.int32),
+                   scored_slots=np.full(scored, count * seq_len, np.int32), **fields)
+
+
 def micro_batches(layout: Layout, sequences: Sequences, micro_rows: int,
                   per_token: dict[str, Sequence[np.ndarray]],
                   per_sequence: dict[str, np.ndarray]) -> Iterator[TrainRows]:

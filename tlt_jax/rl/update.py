@@ -2,8 +2,9 @@
 
 Each token carries its mini-batch aggregation weight (`losses.sequence_weights`), so the
 sum of micro-batch losses is the mini-batch loss exactly and accumulation needs no
-rescaling. Programs: `accumulate_grads` and `score_rows` per micro-batch row count,
-`apply_grads` once; all are counted by `compiled_programs`.
+rescaling. Programs: `accumulate_grads` and `score_rows` per micro-batch shape,
+`apply_grads` once; all are counted by `compiled_programs` and built ahead by
+`precompile_training`.
 """
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from tlt_jax.errors import UserInputError
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.transformer import Params
 from tlt_jax.rl import logprobs
-from tlt_jax.rl.batching import (Sequences, TrainRows, gather_response_values, micro_batches,
-                                  pack)
+from tlt_jax.rl.batching import (Sequences, TrainRows, empty_rows, gather_response_values,
+                                  micro_batches, pack, possible_shapes)
 from tlt_jax.rl.config import LossConfig
 from tlt_jax.rl.logprobs import score_rows
 from tlt_jax.rl.losses import policy_loss, sequence_weights
@@ -92,10 +93,12 @@ def accumulate_grads(params: Params, grads: Params, rows: TrainRows, *, config: 
   return jax.tree.map(jnp.add, grads, micro_grads), metrics
 
 
-@jax.jit
 def zero_grads(params: Params) -> Params:
-  """The accumulator a mini-batch starts from (apply_grads consumes the last one)."""
-  return jax.tree.map(jnp.zeros_like, params)
+  """The accumulator a mini-batch starts from (apply_grads consumes the last one), laid out
+  like the params, as `accumulate_grads` returns it: every micro-batch then calls the same
+  program (a jitted zeros_like would leave its layout to XLA, and the first call's
+  differ)."""
+  return jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype, device=p.sharding), params)
 
 
 @functools.partial(jax.jit, static_argnames=("optimizer", "config", "rules"),
@@ -112,12 +115,31 @@ def apply_grads(state: PolicyState, grads: Params, *, optimizer: optax.GradientT
   return place_state(new_state, optimizer, config, rules), grad_norm
 
 
-_COMPILES = CompileCounter((accumulate_grads, zero_grads, apply_grads, score_rows))
+_COMPILES = CompileCounter((accumulate_grads, apply_grads, score_rows))
 
 
 def compiled_programs() -> int:
   """Training programs compiled so far (process-wide)."""
   return _COMPILES.count
+
+
+def precompile_training(state: PolicyState, ctx: "UpdateContext", score: bool) -> int:
+  """Compiles, without running them, the programs every update can dispatch: a
+  micro-batch's gradient (and, when `score`, its log-probs without one: the reference's or
+  the old policy's) at each micro-batch shape, and the optimizer step. Returns how many
+  were new. Compiling ahead of time fills the same cache the calls use."""
+  before = compiled_programs()
+  grads = zero_grads(state.params)
+  static = dict(config=ctx.config, sampling=ctx.sampling, rules=ctx.rules)
+  for count, scored in possible_shapes(ctx.update.micro_batch_rows, ctx.update.train_seq_len):
+    rows = empty_rows(count, ctx.update.train_seq_len, scored)
+    accumulate_grads.lower(state.params, grads, rows, loss=ctx.loss, remat=ctx.update.remat,
+                           **static).compile()
+    if score:
+      score_rows.lower(state.params, rows, **static).compile()
+  apply_grads.lower(state, grads, optimizer=ctx.optimizer, config=ctx.config,
+                    rules=ctx.rules).compile()
+  return compiled_programs() - before
 
 
 # ---- host side: epochs, mini-batches, micro-batches ---------------------------------------
