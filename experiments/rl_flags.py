@@ -163,9 +163,7 @@ class Run:
     learner = self.learner
     count = precompile_rollouts(learner.rollout_params, learner.config, _PROMPTS.value,
                                 _MAX_PROMPT_LEN.value, learner.rollout)
-    ctx = learner.update
-    count += precompile_training(learner.state, ctx, score=ctx.loss.uses_reference
-                                 or ctx.update.updates_per_step > 1)
+    count += precompile_training(learner.state, learner.update)
     return_free_heap()
     print(f"precompiled {count} programs in {time.perf_counter() - start:.0f} s",
           file=sys.stderr)

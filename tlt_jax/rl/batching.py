@@ -39,6 +39,11 @@ class TrainRows:
                               # token, padded with R * T (out of range: dropped)
 
 
+# TrainRows' float per-token fields, scattered from the host's per-sequence values.
+_PER_TOKEN_VALUES = tuple(name for name in TrainRows.__dataclass_fields__
+                          if name not in ("tokens", "positions", "segment_ids", "scored_slots"))
+
+
 @dataclasses.dataclass(frozen=True)
 class Sequences:
   """A step's samples on the host: prompt + response ids and per-response-token values."""
@@ -129,8 +134,7 @@ def empty_rows(count: int, seq_len: int, scored: int) -> TrainRows:
   """A micro-batch of `count` padding rows with `scored` (dropped) scored slots: what the
   train programs are compiled for."""
   zeros = lambda dtype: np.zeros((count, seq_len), dtype)
-  fields = {name: zeros(np.float32) for name in TrainRows.__dataclass_fields__
-            if name not in ("tokens", "positions", "segment_ids", "scored_slots")}
+  fields = {name: zeros(np.float32) for name in _PER_TOKEN_VALUES}
   return TrainRows(tokens=zeros(np.int32), positions=zeros(np.int32),
                    segment_ids=zeros(np.int32),
                    scored_slots=np.full(scored, count * seq_len, np.int32), **fields)
@@ -147,8 +151,7 @@ def micro_batches(layout: Layout, sequences: Sequences, micro_rows: int,
   total = sum(counts)
   shape = (total, layout.seq_len)
   tokens, positions, segments = (np.zeros(shape, np.int32) for _ in range(3))
-  fields = {name: np.zeros(shape, np.float32) for name in TrainRows.__dataclass_fields__
-            if name not in ("tokens", "positions", "segment_ids", "scored_slots")}
+  fields = {name: np.zeros(shape, np.float32) for name in _PER_TOKEN_VALUES}
   scored = np.zeros(shape, bool).reshape(-1)
   flat = {name: a.reshape(-1) for name, a in fields.items()}
   for k, i in enumerate(layout.indices):

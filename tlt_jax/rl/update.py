@@ -123,12 +123,14 @@ def compiled_programs() -> int:
   return _COMPILES.count
 
 
-def precompile_training(state: PolicyState, ctx: "UpdateContext", score: bool) -> int:
+def precompile_training(state: PolicyState, ctx: "UpdateContext") -> int:
   """Compiles, without running them, the programs every update can dispatch: a
-  micro-batch's gradient (and, when `score`, its log-probs without one: the reference's or
-  the old policy's) at each micro-batch shape, and the optimizer step. Returns how many
-  were new. Compiling ahead of time fills the same cache the calls use."""
+  micro-batch's gradient (and, when a step scores without one: the reference with KL on,
+  the old policy with several updates a step, its log-probs) at each micro-batch shape,
+  and the optimizer step. Returns how many were new. Compiling ahead of time fills the
+  same cache the calls use."""
   before = compiled_programs()
+  score = ctx.loss.uses_reference or ctx.update.updates_per_step > 1
   grads = zero_grads(state.params)
   static = dict(config=ctx.config, sampling=ctx.sampling, rules=ctx.rules)
   for count, scored in possible_shapes(ctx.update.micro_batch_rows, ctx.update.train_seq_len):
