@@ -1,8 +1,13 @@
-"""Greedy decode throughput on CPU: tlt_jax vs transformers `generate`, SmolLM2-135M fp32.
+"""Greedy decode throughput on CPU: tlt_jax vs transformers `generate` vs Tunix's sampler,
+SmolLM2-135M fp32.
 
-Both sides run in one process, strictly one after the other (they share the cores),
-alternating tlt, hf, tlt, hf so machine noise hits both alike; speedups are taken per
-repeat, then the median. transformers runs at 2 torch threads and at 1: on this shared
+The sides run strictly one after the other (they share the cores), alternating tlt, hf,
+tunix, tlt, hf, tunix ... so machine noise hits all alike; speedups are taken per repeat,
+then the median. tlt and transformers run in this process; Tunix (google-tunix, its vanilla
+`Sampler`) in its own venv under --bench_dir (installed on first use, as for
+benchmarks/rl_step.py), a server process (benchmarks/peers/tunix_decode.py) that decodes a
+batch each time it is asked, from the same prompt ids and the same weights (the HF copy of
+the bundled GGUF). transformers runs at 2 torch threads and at 1: on this shared
 2-core box torch's OpenMP threads stall whenever other processes hold a core (2 threads
 measured ~6x slower per step than 1 under load; idle, equal at batch 1 and ~1.3x faster
 at batch 8), so each speedup is taken against the faster of the two in that repeat. The
@@ -10,12 +15,13 @@ batch-1 figure is also set against the memory-bandwidth roofline measured here: 
 batch 1 must stream every weight once per token. Only an idle machine gives figures worth
 keeping (and a ~3 minute run); the load average is recorded with them.
 
-  python -m benchmarks.decode [--repeats 3] [--output results.json]   # from the repo root
+  python -m benchmarks.decode [--repeats 3] [--no-tunix] [--output results.json]  # repo root
 """
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import json
 import os
 import statistics
 import subprocess
@@ -24,6 +30,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.peer_envs import PEER_PACKAGES, ensure_hf_model, ensure_venv  # noqa: E402
 from benchmarks.report import emit  # noqa: E402
 import jax
 import jax.numpy as jnp
@@ -43,6 +50,7 @@ PROMPT_TOKENS = 32
 NEW_TOKENS = 128
 BATCH_SIZES = (1, 8)
 GOALS = {1: 2.0, 8: 1.8}      # wanted tlt/hf speedups
+TUNIX_GOALS = {8: 1.5}        # wanted tlt/tunix speedups
 THREADS = 2                   # the machine's cores: the bandwidth probe and tlt use both
 HF_THREADS = (2, 1)
 
@@ -154,28 +162,70 @@ def run_hf(model, prompts, threads: int, new_tokens: int = NEW_TOKENS) -> dict:
   return {"tokens": out[:, PROMPT_TOKENS:].tolist(), "wall_s": wall, "tokens_per_s": n / wall}
 
 
+class TunixSide:
+  """The Tunix sampler in its own venv (benchmarks/peers/tunix_decode.py), one batch per ask."""
+
+  def __init__(self, bench_dir: str, batches: dict[int, list[list[int]]]):
+    python = ensure_venv(bench_dir, "tunix")
+    model_dir = ensure_hf_model(bench_dir)
+    prompts = os.path.join(bench_dir, "decode_prompts.json")
+    with open(prompts, "w") as f:
+      json.dump({str(b): rows for b, rows in batches.items()}, f)
+    driver = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "tunix_decode.py")
+    self.log_path = os.path.join(bench_dir, "tunix_decode.log")
+    self.proc = subprocess.Popen(
+        [python, driver, f"--model_dir={model_dir}", f"--prompts={prompts}",
+         f"--new_tokens={NEW_TOKENS}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=open(self.log_path, "w"), text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    self._expect("READY")
+
+  def _expect(self, what: str) -> str:
+    line = self.proc.stdout.readline()
+    if not line or (what and line.strip() != what):
+      raise UserInputError(f"tunix decode driver failed (see {self.log_path}): {line.strip()!r}")
+    return line
+
+  def run(self, batch: int) -> dict:
+    self.proc.stdin.write(f"{batch}\n")
+    self.proc.stdin.flush()
+    out = json.loads(self._expect(""))
+    assert out["lengths"] == [NEW_TOKENS] * batch, out["lengths"]
+    return out
+
+  def close(self) -> None:
+    self.proc.stdin.close()
+    self.proc.wait(timeout=60)
+
+
 def agreement(ours: list[int], theirs: list[int]) -> dict:
   same = [a == b for a, b in zip(ours, theirs)]
   return {"identical_fraction": sum(same) / len(same),
           "first_mismatch": same.index(False) if not all(same) else None}
 
 
-def bench_batch(tlt_model, hf_model, prompts, repeats: int, probe: BandwidthProbe) -> dict:
-  """Warm-up of each side (tlt's first call compiles), then `repeats` of tlt, hf..., probe."""
+def bench_batch(tlt_model, hf_model, tunix: TunixSide | None, prompts, repeats: int,
+                probe: BandwidthProbe) -> dict:
+  """Warm-up of each side (tlt's and Tunix's first calls compile), then `repeats` of tlt,
+  hf..., tunix, probe."""
   b = len(prompts)
   first = run_tlt(tlt_model, prompts)
   log(f"batch {b}: tlt first call {first['wall_s']:.2f}s")
   for threads in HF_THREADS:                      # a short run: only code paths need warming
     run_hf(hf_model, prompts, threads, new_tokens=8)
-  tlt, hf, bandwidth = [], {n: [] for n in HF_THREADS}, []
+  tunix_first = tunix.run(b) if tunix else None
+  tlt, hf, tunix_runs, bandwidth = [], {n: [] for n in HF_THREADS}, [], []
   for r in range(repeats):
     tlt.append(run_tlt(tlt_model, prompts))
     assert tlt[-1]["new_programs"] == 0, "a steady-state call compiled"
     for threads in HF_THREADS:
       hf[threads].append(run_hf(hf_model, prompts, threads))
+    if tunix:
+      tunix_runs.append(tunix.run(b))
     bandwidth.append(probe.sample())
     log(f"batch {b} repeat {r + 1}/{repeats}: tlt {tlt[-1]['tokens_per_s']:.1f} tok/s, " +
         ", ".join(f"hf@{n} {hf[n][-1]['tokens_per_s']:.1f}" for n in HF_THREADS) +
+        (f", tunix {tunix_runs[-1]['tokens_per_s']:.1f}" if tunix else "") +
         f", read {bandwidth[-1]:.1f} GB/s, load {os.getloadavg()[0]:.1f}")
   steady_wall = median([t["wall_s"] for t in tlt])
   report = {
@@ -205,6 +255,18 @@ def bench_batch(tlt_model, hf_model, prompts, repeats: int, probe: BandwidthProb
   report["speedup_tlt_over_hf"] = {"median": median(best), "runs": best, "goal": GOALS[b],
                                    "meets_goal": median(best) >= GOALS[b],
                                    "against": "the faster torch thread count in each repeat"}
+  if tunix:
+    tps = [t["tokens_per_s"] for t in tunix_runs]
+    speedups = ratio(tps)
+    report["tunix"] = {"tokens_per_s": median(tps), "runs_tokens_per_s": tps,
+                       "wall_s": median([t["wall_s"] for t in tunix_runs]),
+                       "first_call_s": tunix_first["wall_s"],
+                       "agreement_row0": agreement(tlt[-1]["tokens"][0],
+                                                   tunix_runs[-1]["tokens"][0])}
+    report["speedup_tlt_over_tunix"] = {"median": median(speedups), "runs": speedups,
+                                        "goal": TUNIX_GOALS.get(b),
+                                        "meets_goal": (median(speedups) >= TUNIX_GOALS[b]
+                                                       if b in TUNIX_GOALS else None)}
   return report
 
 
@@ -219,18 +281,14 @@ def roofline(batch: dict, weight_bytes: int) -> dict:
              for n in HF_THREADS}}
 
 
-def git_state() -> dict:
-  """Which code was measured: others' work may sit uncommitted under tlt_jax/."""
-  git = lambda *args: subprocess.run(["git", *args], capture_output=True, text=True,
-                                     cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-  return {"commit": git("rev-parse", "--short", "HEAD"),
-          "tlt_jax_uncommitted_changes": bool(git("status", "--porcelain", "--", "../tlt_jax"))}
-
-
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--repeats", type=int, default=3, help="alternating tlt/hf pairs")
   parser.add_argument("--output", help="also write the JSON here")
+  parser.add_argument("--tunix", action=argparse.BooleanOptionalAction, default=True,
+                      help="also run Tunix's sampler (its venv is installed on first use)")
+  parser.add_argument("--bench_dir", default=".bench_venvs",
+                      help="peer venvs and the HF copy of SmolLM2 (as benchmarks/rl_step.py)")
   args = parser.parse_args()
   if args.output:
     try:
@@ -250,10 +308,13 @@ def main() -> None:
 
   config = tlt_model.config
   rng = np.random.default_rng(0)
-  batches = {}
-  for b in BATCH_SIZES:
-    prompts = rng.integers(0, config.vocab_size, (b, PROMPT_TOKENS)).tolist()
-    batches[b] = bench_batch(tlt_model, hf_model, prompts, args.repeats, probe)
+  prompts = {b: rng.integers(0, config.vocab_size, (b, PROMPT_TOKENS)).tolist()
+             for b in BATCH_SIZES}
+  tunix = TunixSide(args.bench_dir, prompts) if args.tunix else None
+  batches = {b: bench_batch(tlt_model, hf_model, tunix, prompts[b], args.repeats, probe)
+             for b in BATCH_SIZES}
+  if tunix:
+    tunix.close()
 
   cache_len = BucketSpec().cache_length(PROMPT_TOKENS + NEW_TOKENS)  # what generate allocates
   read = bytes_per_step(tlt_model.params, config, cache_len)
@@ -261,9 +322,9 @@ def main() -> None:
       "model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to fp32)",
       "prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS, "repeats": args.repeats,
       "greedy": True, "eos": "disabled: every row generates new_tokens",
-      "git": git_state(),
       "versions": {"jax": jax.__version__, "torch": torch.__version__,
-                   "transformers": transformers.__version__},
+                   "transformers": transformers.__version__,
+                   "tunix": PEER_PACKAGES["tunix"][0] if args.tunix else None},
       "cpus": os.cpu_count(), "hf_torch_threads": list(HF_THREADS),
       "loadavg_1m": {"before": load_before[0], "after": os.getloadavg()[0]},
       "bandwidth": probe.report(),

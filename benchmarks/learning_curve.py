@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,11 +56,8 @@ def main(argv):
   n = int(first["val/prompts"])
   hits = [round(r["val/accuracy"] * n) for r in (first, last)]
   steps = [r for r in history if r.get("step", 0) > 0]
-  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                          capture_output=True, text=True).stdout.strip()
   emit({
       "run_dir": _RUN_DIR.value,
-      "commit": commit,
       "val_prompts": n,
       "val_accuracy": {str(r["step"]): r["val/accuracy"] for r in evals},
       "val_reward": {str(r["step"]): r["val/reward"] for r in evals},

@@ -25,9 +25,7 @@ read off. One JSON object on stdout (and in --output_json).
 """
 from __future__ import annotations
 
-import gc
 import hashlib
-import importlib.metadata
 import json
 import os
 import shutil
@@ -40,6 +38,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from benchmarks.matmul_rate import matmul_throughput  # noqa: E402
+from benchmarks.peer_envs import ensure_hf_model, ensure_venv  # noqa: E402
 from benchmarks.report import emit  # noqa: E402
 from absl import flags  # noqa: E402
 from experiments import cli, host_malloc  # noqa: E402
@@ -49,9 +48,6 @@ SIDES = ("project", "project_sd", "trl", "tunix")
 PEERS = ("trl", "tunix")
 PROJECT_SIDES = ("project", "project_sd")
 PEER_DRIVERS = {"trl": "benchmarks/peers/trl_grpo.py", "tunix": "benchmarks/peers/tunix_grpo.py"}
-# What each peer venv gets (never a project dependency). trl is pinned because its driver
-# wraps trainer methods by name; torch 2.13.0 is this machine's local CPU wheel.
-PEER_PACKAGES = {"trl": ["trl==1.16.0", "torch==2.13.0"], "tunix": ["google-tunix==0.1.7"]}
 STEP_PREFIX = "BENCH_STEP "   # the drivers' per-step JSON lines
 PHASES = ("rollout_s", "reference_s", "reward_s", "train_s", "step_s")
 # At T=1 each side samples its own responses, so a side that happened to draw longer ones
@@ -111,47 +107,6 @@ def log(message: str) -> None:
 
 
 # ---- one-time preparation ---------------------------------------------------------------
-
-def ensure_venv(bench_dir: str, peer: str) -> str:
-  """The peer's venv (made and installed on first use, or when its package list changes);
-  returns its python. reasoning-gym is pinned to the project's version: same scorer."""
-  venv = os.path.join(bench_dir, peer)
-  python = os.path.join(venv, "bin", "python")
-  packages = PEER_PACKAGES[peer] + [f"reasoning-gym=={importlib.metadata.version('reasoning_gym')}"]
-  marker = os.path.join(venv, ".bench_packages.json")
-  if os.path.isfile(python) and os.path.isfile(marker):
-    with open(marker) as f:
-      if json.load(f) == packages:
-        return python
-  log(f"installing {peer} venv in {venv}: pip install {' '.join(packages)} (minutes)")
-  if not os.path.isfile(python):
-    subprocess.run([sys.executable, "-m", "venv", venv], check=True)
-  result = subprocess.run([python, "-m", "pip", "install", "-q", *packages],
-                          capture_output=True, text=True)
-  if result.returncode != 0:
-    raise UserInputError(f"{peer}: pip install failed:\n{result.stderr[-3000:]}")
-  with open(marker, "w") as f:
-    json.dump(packages, f)
-  return python
-
-
-def ensure_hf_model(bench_dir: str) -> str:
-  """SmolLM2 as an HF dir (config.json + safetensors + tokenizer) for the peers, written once
-  from the project's fp32 load of the bundled GGUF, so every side starts from the same
-  weights."""
-  out = os.path.join(bench_dir, "smollm2_hf")
-  if os.path.isfile(os.path.join(out, "model.safetensors")):
-    return out
-  import jax.numpy as jnp
-  from tlt_jax.models.hf import save_hf_dir
-  from tlt_jax.models.loading import load_model
-  log(f"writing {out} from the bundled GGUF")
-  model = load_model("smollm2", dtype=jnp.float32)
-  save_hf_dir(model.params, model.config, out, tokenizer=model.tokenizer)
-  del model
-  gc.collect()
-  return out
-
 
 def write_prompts(bench_dir: str, total_steps: int) -> tuple[str, int, str]:
   """The prompts the project's run draws, batch by batch (its own data builder and stream,

@@ -55,9 +55,14 @@ def peak_rss_gib() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
 
 
-def llama_config(model_dir: str):
-  """Tunix's llama3 ModelConfig from the HF config.json."""
+def llama_models(model_dir: str, count: int):
+  """`count` fp32 copies of the HF checkpoint as Tunix llama3 models on a one-device mesh,
+  and the EOS ids. Tunix's Attention calls apply_rope without rope_theta (default 1e6), so
+  apply_rope is patched to the checkpoint's."""
+  import jax
+  import jax.numpy as jnp
   from tunix.models.llama3 import model as llama_model
+  from tunix.models.llama3 import params as llama_params
   with open(os.path.join(model_dir, "config.json")) as f:
     hf = json.load(f)
   theta = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta"))
@@ -68,20 +73,24 @@ def llama_config(model_dir: str):
       head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
       num_kv_heads=hf["num_key_value_heads"], rope_theta=theta, norm_eps=hf["rms_norm_eps"],
       weight_tying=hf.get("tie_word_embeddings", False))
+  llama_model.apply_rope = functools.partial(llama_model.apply_rope, rope_theta=float(theta))
+  auto = jax.sharding.AxisType.Auto
+  mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(auto, auto),
+                       devices=jax.devices()[:1])
+  models = [llama_params.create_model_from_safe_tensors(model_dir, config, mesh,
+                                                        dtype=jnp.float32)
+            for _ in range(count)]
   eos = hf["eos_token_id"]
-  return config, float(theta), eos if isinstance(eos, list) else [eos]
+  return models, eos if isinstance(eos, list) else [eos]
 
 
 def main():
   args = parse_args()
   import jax
-  import jax.numpy as jnp
   import numpy as np
   import optax
   import transformers
   from flax import nnx
-  from tunix.models.llama3 import model as llama_model
-  from tunix.models.llama3 import params as llama_params
   from tunix.rl import rl_cluster as rl_cluster_lib
   from tunix.rl.grpo import grpo_learner
   from tunix.rl.rollout import base_rollout
@@ -111,16 +120,7 @@ def main():
                                       fields["extra_info"]))
     return out
 
-  config, theta, eos_ids = llama_config(args.model_dir)
-  # Tunix's Attention calls apply_rope without rope_theta (default 1e6).
-  llama_model.apply_rope = functools.partial(llama_model.apply_rope, rope_theta=theta)
-  auto = jax.sharding.AxisType.Auto
-  mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(auto, auto),
-                       devices=jax.devices()[:1])
-  actor = llama_params.create_model_from_safe_tensors(args.model_dir, config, mesh,
-                                                      dtype=jnp.float32)
-  reference = llama_params.create_model_from_safe_tensors(args.model_dir, config, mesh,
-                                                          dtype=jnp.float32)
+  (actor, reference), eos_ids = llama_models(args.model_dir, 2)
   tokenizer = transformers.AutoTokenizer.from_pretrained(args.model_dir)
 
   micro_prompts = args.micro_batch_responses // args.group
