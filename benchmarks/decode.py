@@ -173,11 +173,11 @@ class TunixSide:
       json.dump({str(b): rows for b, rows in batches.items()}, f)
     driver = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "tunix_decode.py")
     self.log_path = os.path.join(bench_dir, "tunix_decode.log")
-    self.proc = subprocess.Popen(
-        [python, driver, f"--model_dir={model_dir}", f"--prompts={prompts}",
-         f"--new_tokens={NEW_TOKENS}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        stderr=open(self.log_path, "w"), text=True,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    with open(self.log_path, "w") as log_file:   # the child keeps its own handle
+      self.proc = subprocess.Popen(
+          [python, driver, f"--model_dir={model_dir}", f"--prompts={prompts}",
+           f"--new_tokens={NEW_TOKENS}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+          stderr=log_file, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     self._expect("READY")
 
   def _expect(self, what: str) -> str:

@@ -37,14 +37,11 @@ def main():
 
   with open(args.prompts) as f:
     batches = json.load(f)
-  (model,), _ = llama_models(args.model_dir, 1)
-  with open(os.path.join(args.model_dir, "config.json")) as f:
-    hf = json.load(f)
+  (model,), config, _ = llama_models(args.model_dir, 1)
   longest = max(len(row) for rows in batches.values() for row in rows)
-  cache = sampler_lib.CacheConfig(
-      cache_size=longest + args.new_tokens + 1, num_layers=hf["num_hidden_layers"],
-      num_kv_heads=hf["num_key_value_heads"],
-      head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
+  cache = sampler_lib.CacheConfig(cache_size=longest + args.new_tokens + 1,
+                                  num_layers=config.num_layers,
+                                  num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
 
   class TokenIdSampler(sampler_lib.Sampler):
     def tokenize(self, input_string):

@@ -57,7 +57,7 @@ def peak_rss_gib() -> float:
 
 def llama_models(model_dir: str, count: int):
   """`count` fp32 copies of the HF checkpoint as Tunix llama3 models on a one-device mesh,
-  and the EOS ids. Tunix's Attention calls apply_rope without rope_theta (default 1e6), so
+  their Tunix config, and the EOS ids. Tunix's Attention calls apply_rope without rope_theta (default 1e6), so
   apply_rope is patched to the checkpoint's."""
   import jax
   import jax.numpy as jnp
@@ -81,7 +81,7 @@ def llama_models(model_dir: str, count: int):
                                                         dtype=jnp.float32)
             for _ in range(count)]
   eos = hf["eos_token_id"]
-  return models, eos if isinstance(eos, list) else [eos]
+  return models, config, eos if isinstance(eos, list) else [eos]
 
 
 def main():
@@ -120,7 +120,7 @@ def main():
                                       fields["extra_info"]))
     return out
 
-  (actor, reference), eos_ids = llama_models(args.model_dir, 2)
+  (actor, reference), _, eos_ids = llama_models(args.model_dir, 2)
   tokenizer = transformers.AutoTokenizer.from_pretrained(args.model_dir)
 
   micro_prompts = args.micro_batch_responses // args.group
