@@ -42,6 +42,7 @@ from experiments import cli
 from tlt_jax.errors import UserInputError
 from tlt_jax.models.bundled import smollm2_gguf_path
 from tlt_jax.models.loading import load_model
+from tlt_jax.models.transformer import unstack_layers
 from tlt_jax.rollout.buckets import BucketSpec
 from tlt_jax.rollout.engine import generate
 from tlt_jax.rollout.sampling import SamplingParams
@@ -133,9 +134,9 @@ def load_hf(path: str) -> torch.nn.Module:
   return model.eval()
 
 
-def run_tlt(model, prompts) -> dict:
+def run_tlt(model, params, prompts) -> dict:
   start = time.perf_counter()
-  result = generate(model.params, model.config, prompts, max_new_tokens=NEW_TOKENS,
+  result = generate(params, model.config, prompts, max_new_tokens=NEW_TOKENS,
                     sampling=SamplingParams(temperature=0.0), eos_ids=())
   wall = time.perf_counter() - start
   tokens = [o.token_ids for o in result.outputs]
@@ -204,19 +205,19 @@ def agreement(ours: list[int], theirs: list[int]) -> dict:
           "first_mismatch": same.index(False) if not all(same) else None}
 
 
-def bench_batch(tlt_model, hf_model, tunix: TunixSide | None, prompts, repeats: int,
-                probe: BandwidthProbe) -> dict:
+def bench_batch(tlt_model, tlt_params, hf_model, tunix: TunixSide | None, prompts,
+                repeats: int, probe: BandwidthProbe) -> dict:
   """Warm-up of each side (tlt's and Tunix's first calls compile), then `repeats` of tlt,
   hf..., tunix, probe."""
   b = len(prompts)
-  first = run_tlt(tlt_model, prompts)
+  first = run_tlt(tlt_model, tlt_params, prompts)
   log(f"batch {b}: tlt first call {first['wall_s']:.2f}s")
   for threads in HF_THREADS:                      # a short run: only code paths need warming
     run_hf(hf_model, prompts, threads, new_tokens=8)
   tunix_first = tunix.run(b) if tunix else None
   tlt, hf, tunix_runs, bandwidth = [], {n: [] for n in HF_THREADS}, [], []
   for r in range(repeats):
-    tlt.append(run_tlt(tlt_model, prompts))
+    tlt.append(run_tlt(tlt_model, tlt_params, prompts))
     assert tlt[-1]["new_programs"] == 0, "a steady-state call compiled"
     for threads in HF_THREADS:
       hf[threads].append(run_hf(hf_model, prompts, threads))
@@ -301,6 +302,7 @@ def main() -> None:
   path = smollm2_gguf_path()
   start = time.perf_counter()
   tlt_model = load_model("smollm2", dtype=jnp.float32)
+  tlt_params = unstack_layers(tlt_model.params)   # the rollout's layout, made once
   log(f"tlt_jax load {time.perf_counter() - start:.1f}s")
   start = time.perf_counter()
   hf_model = load_hf(path)
@@ -311,7 +313,7 @@ def main() -> None:
   prompts = {b: rng.integers(0, config.vocab_size, (b, PROMPT_TOKENS)).tolist()
              for b in BATCH_SIZES}
   tunix = TunixSide(args.bench_dir, prompts) if args.tunix else None
-  batches = {b: bench_batch(tlt_model, hf_model, tunix, prompts[b], args.repeats, probe)
+  batches = {b: bench_batch(tlt_model, tlt_params, hf_model, tunix, prompts[b], args.repeats, probe)
              for b in BATCH_SIZES}
   if tunix:
     tunix.close()

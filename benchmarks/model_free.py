@@ -104,6 +104,7 @@ def main(argv):
   from tlt_jax.drafter.trainer import load_drafter
   from tlt_jax.errors import UserInputError
   from tlt_jax.models.loading import load_model
+  from tlt_jax.models.transformer import unstack_layers
   from tlt_jax.rollout.engine import SpecConfig, generate
   from tlt_jax.rollout.hybrid import HybridConfig
   from tlt_jax.rollout.ngram import NgramConfig
@@ -119,6 +120,7 @@ def main(argv):
                            "multiple of it")
   strategy = SpecStrategy.parse(_STRATEGY.value)
   model = load_model(_MODEL.value, dtype=jnp.float32)
+  params = unstack_layers(model.params)   # the rollout's layout, once for every rollout
   tokenizer = model.tokenizer
   drafter, vocab_ids = load_drafter(_DRAFTER.value, model.config)
   vocab_ids = None if vocab_ids is None else jnp.asarray(vocab_ids)
@@ -154,14 +156,14 @@ def main(argv):
       rows = [prompts[g] for g, _ in call]
       args = rollout_args(call, kind, siblings, use_epoch, done, epoch, batch)
       if compile_only:
-        new_programs += precompile(model.params, model.config, rows, sampling=sampling,
+        new_programs += precompile(params, model.config, rows, sampling=sampling,
                                    spec=spec, **args)
         # Full-length stand-ins: the draft pool's length bucket depends on the text lengths
         # (a shorter real response can land in a smaller bucket: counted in new_programs).
         done.update({row: [0] * _NEW_TOKENS.value for row in call})
         continue
       start = time.perf_counter()
-      result = generate(model.params, model.config, rows, sampling=sampling,
+      result = generate(params, model.config, rows, sampling=sampling,
                         seed=seed * 1000 + k, spec=spec, **args)
       seconds += time.perf_counter() - start
       stats = result.stats

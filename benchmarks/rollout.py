@@ -142,6 +142,7 @@ def main(argv):
 
   from tlt_jax.drafter.trainer import load_drafter
   from tlt_jax.models.loading import load_model
+  from tlt_jax.models.transformer import unstack_layers
   from tlt_jax.rollout.engine import SpecConfig, generate
   from tlt_jax.rollout.precompile import precompile
   from tlt_jax.rollout.sampling import SamplingParams
@@ -153,6 +154,9 @@ def main(argv):
     log(f"wrote {_WRITE_QUESTIONS.value}")
     return
   model = load_model(_MODEL.value, dtype=jnp.float32)
+  # The rollout's per-layer layout once, as the RL loop makes it once per weight version
+  # (batch-1 settings run one generate per prompt).
+  params = unstack_layers(model.params)
   tokenizer = model.tokenizer
   drafter, vocab_ids = load_drafter(_DRAFTER.value, model.config)
   vocab_ids = None if vocab_ids is None else jnp.asarray(vocab_ids)
@@ -168,7 +172,7 @@ def main(argv):
 
   def timed(batch_prompts, sampling, spec, max_new, seed):
     start = time.perf_counter()
-    result = generate(model.params, model.config, batch_prompts, max_new_tokens=max_new,
+    result = generate(params, model.config, batch_prompts, max_new_tokens=max_new,
                       sampling=sampling, eos_ids=eos, seed=seed, spec=spec,
                       attention_impl=_ATTENTION.value)
     return time.perf_counter() - start, result
@@ -191,7 +195,7 @@ def main(argv):
   def precompile_both(rollouts, sampling, spec, max_new):
     """Both sides' whole program pools for these rollouts (lists of prompts), so that
     timed runs compile nothing (different draws reach other windows and buckets)."""
-    return sum(precompile(model.params, model.config, batch_prompts, max_new_tokens=max_new,
+    return sum(precompile(params, model.config, batch_prompts, max_new_tokens=max_new,
                           sampling=sampling, eos_ids=eos, spec=side,
                           attention_impl=_ATTENTION.value)
                for batch_prompts in rollouts for side in (None, spec))
@@ -259,7 +263,7 @@ def main(argv):
     # Both sides' whole program pools (every batch bucket, window and strategy the rollout
     # may reach) are compiled before anything is timed, so a bandit exploring never compiles.
     precompile_start = time.perf_counter()
-    precompiled = {side: precompile(model.params, model.config, tail_prompts,
+    precompiled = {side: precompile(params, model.config, tail_prompts,
                                     max_new_tokens=caps, sampling=sampling, eos_ids=eos,
                                     spec=spec, attention_impl=_ATTENTION.value)
                    for side, spec in (("plain", None), ("adaptive_sd", tail_spec))}
@@ -293,7 +297,7 @@ def main(argv):
     for temperature in (float(t) for t in _TEMPERATURES.value):
       for strategy in _ACCEPT_STRATEGIES.value:
         log(f"accept T={temperature} strategy={strategy}")
-        result = generate(model.params, model.config, accept_prompts,
+        result = generate(params, model.config, accept_prompts,
                           max_new_tokens=_NEW_TOKENS.value,
                           sampling=SamplingParams(temperature=temperature), eos_ids=eos,
                           seed=1, attention_impl=_ATTENTION.value,

@@ -85,8 +85,17 @@ def drafter_forward_new_kv(drafter: DrafterParams, target: transformer.Params,
 def draft_head(target: transformer.Params, config: ModelConfig,
                vocab_ids: jax.Array | None) -> jax.Array:
   """[E, Vd] LM head restricted to the draft vocabulary (the full head when None)."""
-  head = target["embed"].T if config.tie_word_embeddings else target["lm_head"]
+  if config.tie_word_embeddings:
+    return _tied_head(target["embed"], vocab_ids)
+  head = target["lm_head"]
   return head if vocab_ids is None else jnp.take(head, vocab_ids, axis=1)
+
+
+@jax.jit
+def _tied_head(embed: jax.Array, vocab_ids: jax.Array | None) -> jax.Array:
+  # The draft vocabulary's rows first, then the transpose of those alone: an eager
+  # transpose of the whole [V, E] embedding took 0.2-2 s per rollout on a 2-core CPU.
+  return (embed if vocab_ids is None else jnp.take(embed, vocab_ids, axis=0)).T
 
 
 def draft_logits(head: jax.Array, hidden: jax.Array) -> jax.Array:
