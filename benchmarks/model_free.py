@@ -37,8 +37,11 @@ _DRAFTER = flags.DEFINE_string("drafter", "assets/drafter_smollm2", "Warmed-up d
 _BATCHES = flags.DEFINE_list("batches", ["1", "4", "16"], "Live batch sizes.")
 _TEMPERATURES = flags.DEFINE_list("temperatures", ["1", "0"], "Sampling temperatures.")
 _GROUP = flags.DEFINE_integer("group_size", 8, "Samples per prompt (G).", lower_bound=1)
-_STRATEGY = flags.DEFINE_string("strategy", "4_1_5", "SD chain DEPTH_1_DEPTH+1 (model-free "
-                                "and hybrid drafts are chains).")
+_STRATEGY = flags.DEFINE_string("strategy", "4_1_5", "SD chain DEPTH_1_DEPTH+1 of the "
+                                "learned and hybrid variants (hybrid drafts are chains).")
+_NGRAM_STRATEGY = flags.DEFINE_string(
+    "ngram_strategy", None, "The model-free variants' strategy (a tree of the matches' "
+    "continuations with TOPK > 1); default --strategy.")
 _MAX_NGRAM = flags.DEFINE_integer("max_ngram", 4, "Longest suffix matched.", lower_bound=1)
 _DRAFT_COST = flags.DEFINE_float("draft_cost", 0.2, "Hybrid: a learned draft's time in "
                                  "verify passes (tlt_jax.rollout.hybrid.HybridConfig).")
@@ -119,6 +122,8 @@ def main(argv):
       raise UserInputError(f"--batches={b}: must divide --group_size={group} or be a "
                            "multiple of it")
   strategy = SpecStrategy.parse(_STRATEGY.value)
+  ngram_strategy = (strategy if _NGRAM_STRATEGY.value is None
+                    else SpecStrategy.parse(_NGRAM_STRATEGY.value, "--ngram_strategy"))
   model = load_model(_MODEL.value, dtype=jnp.float32)
   params = unstack_layers(model.params)   # the rollout's layout, once for every rollout
   tokenizer = model.tokenizer
@@ -136,7 +141,8 @@ def main(argv):
   specs = lambda batch: {
       "plain": None,
       "learned": SpecConfig(drafter=drafter, vocab_ids=vocab_ids, threshold=batch, **sd),
-      "ngram": SpecConfig(ngram_config=ngram_config, threshold=batch, **sd),
+      "ngram": SpecConfig(ngram_config=ngram_config, threshold=batch, patience=0,
+                          strategy=ngram_strategy),
       "hybrid": hybrid(batch, False), "hybrid_merge": hybrid(batch, True)}
 
   def rollout_args(call, kind, siblings, use_epoch, done, epoch, batch):
@@ -183,7 +189,8 @@ def main(argv):
     return out
 
   report = {"model": f"{_MODEL.value} (fp32, {jax.default_backend()})",
-            "drafter": _DRAFTER.value, "strategy": strategy.name, "group_size": group,
+            "drafter": _DRAFTER.value, "strategy": strategy.name,
+            "ngram_strategy": ngram_strategy.name, "group_size": group,
             "prompts": num_prompts, "max_new_tokens": _NEW_TOKENS.value,
             "hybrid_draft_cost": _DRAFT_COST.value, "settings": []}
   for temperature in (float(t) for t in _TEMPERATURES.value):

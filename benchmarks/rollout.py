@@ -18,6 +18,7 @@ benchmarks/gpu_check.sh).
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
@@ -210,6 +211,13 @@ def main(argv):
       sd.append(run(batch_prompts, sampling, spec, max_new, 1 + r))
     return plain, sd
 
+  def release_programs():
+    """Drops the settings before's compiled programs: each setting precompiles its own,
+    and every executable keeps ~200 memory maps, so the whole run kept would reach the
+    kernel's vm.max_map_count (65530) and LLVM fails to allocate."""
+    jax.clear_caches()
+    gc.collect()
+
   def summary(runs):
     tokens = [res.stats["generated_tokens"] for _, res in runs]
     out = {"seconds_median": statistics.median(s for s, _ in runs),
@@ -230,6 +238,7 @@ def main(argv):
       for batch in (int(b) for b in _BATCHES.value):
         for strategy in _STRATEGIES.value:
           log(f"fixed batch={batch} T={temperature} strategy={strategy}")
+          release_programs()
           spec = spec_for(strategy, batch, 0, "--strategies")
           rollouts = ([[p] for p in prompts[:_BATCH1_PROMPTS.value]] if batch == 1
                       else [prompts[:batch]])
@@ -255,6 +264,7 @@ def main(argv):
           report["fixed"].append(entry)
 
   if _TAIL_ROWS.value:
+    release_programs()
     caps = _drawn_caps(_TAIL_ROWS.value)
     log(f"long tail: {_TAIL_ROWS.value} rows, caps p50 {int(np.median(caps))} max {max(caps)}")
     sampling = SamplingParams(temperature=_TAIL_TEMPERATURE.value)

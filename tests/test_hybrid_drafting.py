@@ -120,7 +120,7 @@ def test_hybrid_greedy_is_token_identical(merge, group_size):
 
 
 def test_mixed_pool_greedy_is_token_identical():
-  """One BEG-MAB pool of a hybrid chain, a model-free chain and a learned tree (each bucket
+  """One BEG-MAB pool of a hybrid chain, a model-free tree and a learned tree (each bucket
   plays its untried strategies first, so all come up): plain greedy tokens, and the steps
   split by the drafter that drafted them."""
   from tlt_jax.rollout.bandit import BanditConfig, StrategyBandit, parse_strategies
@@ -129,7 +129,7 @@ def test_mixed_pool_greedy_is_token_identical():
   caps = [6 + 3 * i for i in range(len(prompts))]
   plain = generate(params, config, prompts, max_new_tokens=caps, sampling=GREEDY,
                    eos_ids=(96,))
-  pool = parse_strategies("hybrid:3_1_4,ngram:4_1_5,learned:3_2_5")
+  pool = parse_strategies("hybrid:3_1_4,ngram:4_2_7,learned:3_2_5")
   spec = _hybrid_spec(drafter, strategy=None,
                       bandit=StrategyBandit(BanditConfig(pool, epsilon=0.0)))
   sd = generate(params, config, prompts, max_new_tokens=caps, sampling=GREEDY, eos_ids=(96,),
@@ -141,7 +141,7 @@ def test_mixed_pool_greedy_is_token_identical():
   assert stats["spec/drafter"] == "learned+ngram+hybrid"
   assert 0 < stats["spec/verify_share_by_drafter"]["ngram"] < 1
   # An unnamed tree is the hybrid's, whose drafts are chains; a learned kind needs a drafter.
-  with pytest.raises(UserInputError, match="3_2_5: model-free drafting proposes chains"):
+  with pytest.raises(UserInputError, match="3_2_5: hybrid drafting verifies chains"):
     _hybrid_spec(drafter, strategy=SpecStrategy(3, 2, 5))
   with pytest.raises(UserInputError, match="learned:3_1_4: needs a learned drafter"):
     SpecConfig(ngram_config=NgramConfig(), strategy=SpecStrategy(3, 1, 4, "learned"))
@@ -196,7 +196,7 @@ def test_hybrid_bad_input_is_one_line(tmp_path):
   _, _, drafter = _model(8)
   with pytest.raises(UserInputError, match="hybrid drafting needs both"):
     SpecConfig(drafter=drafter, hybrid=hybrid.HybridConfig(), strategy=SpecStrategy(3, 1, 4))
-  with pytest.raises(UserInputError, match="model-free drafting proposes chains"):
+  with pytest.raises(UserInputError, match="hybrid drafting verifies chains"):
     _hybrid_spec(drafter, strategy=SpecStrategy(3, 2, 5))
   with pytest.raises(UserInputError, match="memory=1"):
     hybrid.HybridConfig(memory=1.0)

@@ -2,6 +2,7 @@
 decoding for batches of GRPO-style groups, the point-mass acceptance rule emits p, and
 sampling with sibling drafts keeps plain sampling's joint distribution."""
 import collections
+import dataclasses
 import os
 
 import jax
@@ -15,6 +16,7 @@ from tlt_jax.models import transformer
 from tlt_jax.rollout.acceptance import recursive_rejection
 from tlt_jax.rollout.buckets import BucketSpec
 from tlt_jax.rollout.engine import SpecConfig, generate
+from tlt_jax.rollout.hybrid import HybridConfig
 from tlt_jax.rollout.ngram import NgramConfig
 from tlt_jax.rollout.sampling import SamplingParams, processed_logprobs
 from tlt_jax.rollout.strategy import SpecStrategy
@@ -60,12 +62,35 @@ def test_chain_follows_the_longest_latest_match_and_appends():
   assert np.asarray(ngram.propose_chain(grown, 3, NgramConfig()))[0].tolist() == [5, 6, 5]
 
 
-@pytest.mark.parametrize("group_size", [4, 8])
-def test_model_free_greedy_is_token_identical(group_size):
+def test_tree_is_the_trie_of_the_heaviest_continuations():
+  """The row's last 2 tokens "1 2" match 4 times: "3 4 5" twice (own text and sibling),
+  "3 4 6", "7 8 9". The trie keeps 2 children per node, the heaviest nodes fill the budget
+  (parents first, then at equal weight the better match: the latest), siblings heaviest
+  first; a budget past the trie repeats the root's first child, attending to itself."""
+  from tlt_jax.rollout import ngram
+  own = [1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 6, 0, 1, 2, 7, 8, 9, 0, 1, 2]
+  context = ngram.build_context([own, [1, 2, 3, 4, 5, 0]], [0, 0], np.array([0]), 32)
+  tokens, depths, parents, ancestors = (np.asarray(x)[0] for x in ngram.propose_tree(
+      context, 3, 2, 6, NgramConfig(max_ngram=2)))
+  # Weights: 3 and 4 (x3), 5 (x2), then 7, 8, 9 and 6 (x1); 9 is the latest match's.
+  assert tokens.tolist() == [3, 7, 4, 8, 5, 9]
+  assert depths.tolist() == [1, 1, 2, 2, 3, 3] and parents.tolist() == [0, 0, 1, 2, 3, 4]
+  assert np.array_equal(ancestors, [[1, 0, 0, 0, 0, 0], [0, 1, 0, 0, 0, 0],
+                                    [1, 0, 1, 0, 0, 0], [0, 1, 0, 1, 0, 0],
+                                    [1, 0, 1, 0, 1, 0], [0, 1, 0, 1, 0, 1]])
+  tokens, depths, parents, ancestors = (np.asarray(x)[0] for x in ngram.propose_tree(
+      context, 3, 1, 5, NgramConfig(max_ngram=2)))
+  assert tokens.tolist() == [3, 4, 5, 3, 3] and parents.tolist() == [0, 1, 2, 0, 0]
+  assert depths.tolist() == [1, 2, 3, 1, 1]
+  assert np.array_equal(ancestors[3:], np.eye(5, dtype=bool)[3:])
+
+
+@pytest.mark.parametrize("group_size,strategy", [(4, "4_1_5"), (8, "4_1_5"), (4, "4_2_7")])
+def test_model_free_greedy_is_token_identical(group_size, strategy):
   """Groups of equal prompts of different lengths; rows stop at different caps, so the batch
   of 16 compacts to 8 before SD switches on and to smaller buckets while it runs. With
   G = 8 each row also gets an earlier epoch's response (the plain output of its group's
-  last row, the longest) as draft context."""
+  last row, the longest) as draft context. 4_2_7: a tree of the matches' continuations."""
   config, params, _ = _model(97, seed=2)
   lengths = (5, 9, 3, 12) if group_size == 4 else (7, 11)
   prompts = [p for p in _prompts(97, lengths, seed=4) for _ in range(group_size)]
@@ -76,8 +101,9 @@ def test_model_free_greedy_is_token_identical(group_size):
   if group_size == 8:
     last = lambda i: i - i % group_size + group_size - 1
     earlier = [plain.outputs[last(i)].token_ids for i in range(len(prompts))]
+  spec = dataclasses.replace(MODEL_FREE, strategy=SpecStrategy.parse(strategy))
   sd = generate(params, config, prompts, max_new_tokens=caps, sampling=GREEDY, eos_ids=(96,),
-                spec=MODEL_FREE, chunk_steps=4, draft_context=earlier)
+                spec=spec, chunk_steps=4, draft_context=earlier)
   for a, b in zip(plain.outputs, sd.outputs):
     assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
   scored = _forward_logprobs(params, config, prompts, [o.token_ids for o in sd.outputs])
@@ -144,20 +170,21 @@ def _first_tokens(params, config, spec, seed, sampling, rows, group_size=8):
   return [tuple(o.token_ids[:3]) for o in result.outputs], result.stats
 
 
-def test_model_free_sampling_matches_plain_joint_distribution(monkeypatch):
+@pytest.mark.parametrize("strategy", ["2_1_3", "2_2_5"])
+def test_model_free_sampling_matches_plain_joint_distribution(monkeypatch, strategy):
   """Chi-square homogeneity of the first 3 tokens' joint distribution, model-free SD vs
   plain sampling, 32768 samples each. ~108 cells are populated, one holds ~0.47 of the
   mass: a 2% total-variation shift is detected at the 0.001 level with power ~1.0 when it
   moves mass between the two largest cells and ~0.98 when spread over the ten largest
   (noncentral chi-square, from the plain distribution; half the samples gave 0.84 and
   0.44). Drafts come from the repetitive prompt and the siblings' text, and are often
-  accepted and often rejected."""
+  accepted and often rejected. 2_2_5: two distinct continuations per node."""
   from tlt_jax.rollout import engine
   monkeypatch.setattr(engine, "MAX_SD_THRESHOLD", 4096)   # SD on for the whole batch
   config, params, _ = _model(6, seed=11)
   sampling = SamplingParams(temperature=0.5)
-  spec = SpecConfig(ngram_config=NgramConfig(), strategy=SpecStrategy(2, 1, 3), threshold=4096,
-                    patience=0)
+  spec = SpecConfig(ngram_config=NgramConfig(), strategy=SpecStrategy.parse(strategy),
+                    threshold=4096, patience=0)
   plain, sd = collections.Counter(), collections.Counter()
   accept_lens = []
   for seed in range(8):
@@ -186,8 +213,9 @@ def test_model_free_bad_input_is_one_line():
     run(spec=MODEL_FREE, draft_context=[[1, 2], [9]])
   with pytest.raises(UserInputError, match="draft_context: needs model-free"):
     run(draft_context=[[1], [2]])
-  with pytest.raises(UserInputError, match="model-free drafting proposes chains"):
-    SpecConfig(ngram_config=NgramConfig(), strategy=SpecStrategy(3, 2, 5))
+  with pytest.raises(UserInputError, match="hybrid drafting verifies chains"):
+    SpecConfig(drafter=drafter, ngram_config=NgramConfig(), hybrid=HybridConfig(),
+               strategy=SpecStrategy(3, 2, 5))
   with pytest.raises(UserInputError, match="exactly one of drafter and ngram_config"):
     SpecConfig(drafter=drafter, ngram_config=NgramConfig(), strategy=SpecStrategy(3, 1, 4))
   with pytest.raises(UserInputError, match="--max_ngram=0"):
@@ -196,7 +224,7 @@ def test_model_free_bad_input_is_one_line():
 
 def test_generate_cli_drafter_ngram(tiny_hf_dirs, tmp_path):
   """`--drafter=ngram`: the greedy output of plain decoding (groups of equal prompts draft
-  from each other) and model-free stats; a tree strategy is one line, exit 2."""
+  from each other) and model-free stats; a tree too large for its shape is one line, exit 2."""
   import json
   import subprocess
   import sys
@@ -220,7 +248,7 @@ def test_generate_cli_drafter_ngram(tiny_hf_dirs, tmp_path):
   assert stats["spec/drafter"] == "ngram" and stats["spec/verify_steps"] > 0
   assert stats["spec/context_sizes"]["members"] == 2
   (tmp_path / "out.json").unlink()
-  bad = run("--strategy=3_2_5")
+  bad = run("--strategy=3_2_8")
   errors = [line for line in bad.stderr.splitlines() if line.startswith("error:")]
-  assert bad.returncode == 2 and len(errors) == 1 and "proposes chains" in errors[0], bad.stderr
+  assert bad.returncode == 2 and len(errors) == 1 and "exceeds" in errors[0], bad.stderr
   assert not (tmp_path / "out.json").exists()

@@ -49,8 +49,8 @@ DEFAULT_DRAFT_TEMPERATURE_RATIO = 0.7
 class SpecConfig:
   """Speculative decoding for the tail: on below `threshold` live rows for `patience` steps.
 
-  Drafts from a learned `drafter`, model-free (`ngram_config`: chains from the rows'
-  group text), or, with `hybrid`, from both: each row picks one per verify step
+  Drafts from a learned `drafter`, model-free (`ngram_config`: chains or tries from the
+  rows' group text), or, with `hybrid`, from both: each row picks one per verify step
   (`hybrid.py`).
   Either one fixed `strategy`, or a `bandit` that picks among its strategies per chunk by
   live batch size (and learns across the rollouts that share it). A strategy may name its
@@ -88,9 +88,9 @@ class SpecConfig:
       if kind == "hybrid" and self.hybrid.merge and s.depth < 2:
         raise UserInputError(f"--strategy={s.name}: a merged hybrid tree splits the depth "
                              "between its two chains: needs depth >= 2")
-      if kind != "learned" and s.topk > 1:
-        # A hybrid's two drafts share one verify shape, so its learned drafts are chains too.
-        raise UserInputError(f"--strategy={s.name}: model-free drafting proposes chains "
+      if kind == "hybrid" and s.topk > 1:
+        # Its two drafts share one verify shape, so its learned drafts are chains too.
+        raise UserInputError(f"--strategy={s.name}: hybrid drafting verifies chains "
                              "(DEPTH_1_DEPTH+1)")
     kinds = {self.kind_of(s) for s in self.strategies}
     if ((self.drafter is not None and kinds == {"ngram"})

@@ -8,7 +8,8 @@ the row's last `max_ngram` tokens against every position of those entries, takes
 longest match (then the latest position: recent text predicts best, and a sibling ahead of
 the row has later positions), and proposes the tokens that follow it as a chain, repeating
 them when the chain outruns them (a row that cycles, matched in its own text, continues
-the cycle). The draft is a point mass that depends only on text
+the cycle); or, for a tree, merges the continuations of several best matches into a
+trie and keeps its most frequent branches (`propose_tree`). The draft is a point mass that depends only on text
 emitted in earlier steps, never on this step's draws, so verification stays exact
 (`acceptance.recursive_rejection` with no q).
 
@@ -87,8 +88,10 @@ def build_context(texts: Sequence[Sequence[int]], groups: Sequence[int],
                       members=jnp.asarray(members))
 
 
-def propose_chain(context: DraftContext, depth: int, config: NgramConfig) -> jax.Array:
-  """[B, depth] drafts: the tokens after each row's best suffix match among its members.
+def _continuations(context: DraftContext, count: int, depth: int, config: NgramConfig
+                   ) -> tuple[jax.Array, jax.Array]:
+  """The tokens after each row's `count` best suffix matches among its members, best first
+  (longest, then latest) [B, count, depth], and whether each is a match at all [B, count].
 
   A row with no match drafts whatever the clipped gather gives: a wrong draft costs its
   verify slot, never exactness."""
@@ -112,13 +115,79 @@ def propose_chain(context: DraftContext, depth: int, config: NgramConfig) -> jax
   following = context.lengths[jnp.maximum(context.members, 0)][..., None] - 1 - position
   usable = member_ok[..., None] & (match > 0) & (following > 0)
   score = jnp.where(usable, match * length + position, -1).reshape(entries.shape[0], -1)
-  best = argmax(score)
-  member, end = best // length, best % length
-  chosen = jnp.take_along_axis(entries, member[:, None, None], axis=1)[:, 0]   # [B, L]
-  period = jnp.maximum(jnp.take_along_axis(following.reshape(score.shape), best[:, None],
-                                           axis=1), 1)
-  after = end[:, None] + 1 + jnp.arange(depth)[None, :] % period
-  return jnp.take_along_axis(chosen, jnp.clip(after, 0, length - 1), axis=1)
+  if count == 1:
+    best = argmax(score)[:, None]
+  else:
+    best = jax.lax.top_k(score, min(count, score.shape[1]))[1]
+  member, end = best // length, best % length                         # [B, K]
+  chosen = jnp.take_along_axis(entries, member[..., None], axis=1)    # [B, K, L]
+  # A match near the end of its text continues cyclically (a row that cycles goes on).
+  period = jnp.maximum(jnp.take_along_axis(following.reshape(score.shape), best, axis=1), 1)
+  after = end[..., None] + 1 + jnp.arange(depth) % period[..., None]
+  drafts = jnp.take_along_axis(chosen, jnp.clip(after, 0, length - 1), axis=2)
+  return drafts, jnp.take_along_axis(score, best, axis=1) >= 0
+
+
+def propose_chain(context: DraftContext, depth: int, config: NgramConfig) -> jax.Array:
+  """[B, depth] drafts: the tokens after each row's best suffix match among its members."""
+  return _continuations(context, 1, depth, config)[0][:, 0]
+
+
+def propose_tree(context: DraftContext, depth: int, topk: int, nodes: int,
+                 config: NgramConfig) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """A tree of `nodes` drafts below the root: the trie of the continuations of each row's
+  `nodes` best matches, where a node's weight is how many of them pass through it. Each
+  node keeps its `topk` heaviest children (heaviest tried first), and the heaviest nodes
+  fill the budget (a parent weighs at least as much as its child, so every kept node's
+  parent is kept). Where the trie has fewer nodes, the rest repeat the first child of the
+  root: tried after it, a point mass on a rejected token is rejected in turn.
+
+  Returns tokens, depths (1..depth), parents (verify index: 0 is the root, node i is
+  verify index i + 1) [B, nodes] each, and ancestors [B, nodes, nodes] (each node's
+  ancestors below the root, itself included), in verify order: by depth, siblings
+  heaviest first."""
+  drafts, found = _continuations(context, nodes, depth, config)       # [B, K, D], [B, K]
+  b, k, _ = drafts.shape
+  # same[b, n, m, d]: candidates n and m agree on their first d + 1 tokens.
+  same = jnp.cumprod(drafts[:, :, None, :] == drafts[:, None, :, :], axis=-1).astype(bool)
+  same = same & found[:, :, None, None] & found[:, None, :, None]
+  first = jnp.argmax(same, axis=2)                                    # [B, K, D]: node id
+  weight = jnp.sum(same, axis=2)                                      # [B, K, D]
+  is_node = (first == jnp.arange(k)[None, :, None]) & found[:, :, None]
+  # The node (n, d)'s parent is (first[n, d - 1], d - 1); the root's children have -1.
+  parent = jnp.concatenate([jnp.full((b, k, 1), -1), first[..., :-1]], axis=-1)
+  level = jnp.arange(depth)
+  # heavier[b, n, m, d]: candidate m's node outweighs n's (at equal weight, the earlier).
+  w_n, w_m = weight[:, :, None], weight[:, None, :]
+  earlier = (jnp.arange(k)[None, :] < jnp.arange(k)[:, None])[None, :, :, None]
+  heavier = (w_m > w_n) | ((w_m == w_n) & earlier)
+  siblings = is_node[:, None] & (parent[:, None] == parent[:, :, None])
+  kept = is_node & (jnp.sum(siblings & heavier, axis=2) < topk)
+  keep = [kept[..., 0]]
+  for d in range(1, depth):          # a node is kept only under a kept parent
+    keep.append(kept[..., d] & jnp.take_along_axis(keep[-1], first[..., d - 1], axis=1))
+  kept = jnp.stack(keep, axis=-1)
+  # Heavier first; at equal weight the shallower (a parent before its child).
+  priority = jnp.where(kept, weight * (depth + 1) - level, -1).reshape(b, k * depth)
+  top, sel = jax.lax.top_k(priority, nodes)                           # [B, nodes]
+  real = top >= 0
+  order = jnp.argsort(jnp.where(real, sel % depth, depth), axis=1, stable=True)
+  sel, real = jnp.take_along_axis(sel, order, axis=1), jnp.take_along_axis(real, order, axis=1)
+  flat = lambda x: jnp.take_along_axis(x.reshape(b, k * depth), sel, axis=1)
+  parent_id = flat(parent * depth + level - 1)                        # its n * depth + d
+  parents = jnp.where(parent_id < 0, 0, jnp.argmax(
+      sel[:, None, :] == parent_id[:, :, None], axis=-1) + 1)
+  # Node j is an ancestor of node i, or i itself: i's candidate agrees with j's through
+  # j's depth, and j is not deeper.
+  rows = jnp.take_along_axis(same.reshape(b, k, k * depth), (sel // depth)[..., None], axis=1)
+  ancestors = jnp.take_along_axis(rows, sel[:, None, :], axis=2)
+  depths = sel % depth + 1
+  ancestors = ancestors & (depths[:, None, :] <= depths[:, :, None])
+  # Padding nodes: the first child of the root again, attending to itself alone.
+  eye = jnp.eye(nodes, dtype=bool)[None]
+  tokens = jnp.where(real, flat(drafts), flat(drafts)[:, :1])
+  return (tokens, jnp.where(real, depths, 1), jnp.where(real, parents, 0),
+          jnp.where(real[:, :, None], ancestors & real[:, None, :], eye))
 
 
 def append(context: DraftContext, tokens: jax.Array, counts: jax.Array) -> DraftContext:

@@ -371,6 +371,18 @@ def _chain_tree(root: jax.Array, drafts: jax.Array) -> VerifyTree:
                     mask=jnp.broadcast_to(causal, (b, d + 1, d + 1)), draft_probs=None)
 
 
+def _ngram_tree(root: jax.Array, drafts: tuple[jax.Array, ...]) -> VerifyTree:
+  """The root [B] above `ngram.propose_tree`'s point-mass nodes."""
+  tokens, depths, parents, ancestors = drafts
+  b, n = tokens.shape
+  mask = jnp.zeros((b, n + 1, n + 1), bool).at[:, :, 0].set(True).at[:, 1:, 1:].set(ancestors)
+  with_root = lambda root_value, x: jnp.concatenate([root_value, x], axis=1)
+  return VerifyTree(tokens=with_root(root[:, None], tokens),
+                    depths=with_root(jnp.zeros((b, 1), depths.dtype), depths),
+                    parents=with_root(jnp.zeros((b, 1), parents.dtype), parents), mask=mask,
+                    draft_probs=None)
+
+
 def _point_mass_probs(chain: VerifyTree, vocab_size: int) -> VerifyTree:
   """A chain of point masses with its q written out: one-hot on each node's only child
   (the leaf's row is never read). Recursive rejection reads it exactly as it reads
@@ -503,8 +515,12 @@ def spec_step(params: Params, drafter: DrafterParams | None, head: jax.Array | N
                                 draft_sampling, attention_impl, rules, state)
   else:
     use_learned = jnp.zeros_like(live)
-    drafts = ngram.propose_chain(state.context, depth, ngram_config)
-    tree = _chain_tree(base.last_tokens, drafts)
+    if strategy.topk == 1:
+      tree = _chain_tree(base.last_tokens, ngram.propose_chain(state.context, depth,
+                                                               ngram_config))
+    else:
+      tree = _ngram_tree(base.last_tokens, ngram.propose_tree(
+          state.context, depth, strategy.topk, strategy.verify_tokens - 1, ngram_config))
     if learned:
       state = _caught_up(params, drafter, config, attention_impl, rules, state)
 
