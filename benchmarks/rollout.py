@@ -47,13 +47,13 @@ _ATTENTION = flags.DEFINE_enum("attention_impl", "auto", ["auto", "reference", "
                                "Attention kernel (auto: Pallas on GPU, jnp elsewhere).")
 _BATCHES = flags.DEFINE_list("batches", ["1", "4", "16"], "Fixed batch sizes.")
 _TEMPERATURES = flags.DEFINE_list("temperatures", ["0", "1"], "Sampling temperatures.")
-_STRATEGIES = flags.DEFINE_list("strategies", ["4_1_5", "6_2_8", "8_4_16"],
+_STRATEGIES = flags.DEFINE_list("strategies", ["4_1_5"],
                                 "SD strategies tried per setting (the best is reported).")
 _NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 128, "Tokens per row, fixed batches.")
 _BATCH1_PROMPTS = flags.DEFINE_integer(
     "batch1_prompts", 4, "Batch 1 runs this many prompts one after another (one prompt alone "
     "makes a noisy accept length); its figures sum over them.", lower_bound=1)
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Alternated A/B repeats per setting.")
+_REPEATS = flags.DEFINE_integer("repeats", 2, "Alternated A/B repeats per setting.")
 _TAIL_ROWS = flags.DEFINE_integer("tail_rows", 64, "Rows in the long-tail rollout (0: skip it).",
                                   lower_bound=0)
 _TAIL_CAP = flags.DEFINE_integer("tail_cap", 512, "Length cap of the long-tail rollout.")
@@ -71,10 +71,10 @@ _TAIL_TEMPERATURE = flags.DEFINE_float(
     "tokens (SD is exact), so their wall times compare the same work.")
 _SKIP_FIXED = flags.DEFINE_bool("skip_fixed", False, "Skip the fixed batches.")
 _ACCEPT_PROMPTS = flags.DEFINE_integer(
-    "accept_prompts", 0, "Part 3 (0 skips it): accept length alone, over this many prompts "
+    "accept_prompts", 24, "Part 3 (0 skips it): accept length alone, over this many prompts "
     "spread over six reasoning-gym tasks, SD on from the first step, at each temperature.",
     lower_bound=0)
-_ACCEPT_STRATEGIES = flags.DEFINE_list("accept_strategies", ["8_4_16", "8_8_32"],
+_ACCEPT_STRATEGIES = flags.DEFINE_list("accept_strategies", ["8_8_32", "8_4_16", "4_1_5"],
                                        "Strategies of part 3.")
 _OUTPUT = flags.DEFINE_string("output", None, "Also write the JSON here.")
 _SEED = flags.DEFINE_integer("seed", 12345, "Prompt seed (held out from drafter training).")
