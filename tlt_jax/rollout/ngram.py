@@ -9,9 +9,9 @@ longest match (then the latest position: recent text predicts best, and a siblin
 the row has later positions), and proposes the tokens that follow it as a chain, repeating
 them when the chain outruns them (a row that cycles, matched in its own text, continues
 the cycle); or, for a tree, merges the continuations of several best matches into a
-trie and keeps its most frequent branches (`propose_tree`). The draft is a point mass that depends only on text
-emitted in earlier steps, never on this step's draws, so verification stays exact
-(`acceptance.recursive_rejection` with no q).
+trie and keeps its most frequent branches (`propose_tree`). The draft is a point mass
+that depends only on text emitted in earlier steps, never on this step's draws, so
+verification stays exact (`acceptance.recursive_rejection` with no q).
 
 The pool is shared by the batch, not a per-row array: compaction gathers each row's
 `members` (the entries it reads) but keeps every entry, so a finished sibling's output
@@ -185,7 +185,8 @@ def propose_tree(context: DraftContext, depth: int, topk: int, nodes: int,
   ancestors = ancestors & (depths[:, None, :] <= depths[:, :, None])
   # Padding nodes: the first child of the root again, attending to itself alone.
   eye = jnp.eye(nodes, dtype=bool)[None]
-  tokens = jnp.where(real, flat(drafts), flat(drafts)[:, :1])
+  tokens = flat(drafts)
+  tokens = jnp.where(real, tokens, tokens[:, :1])
   return (tokens, jnp.where(real, depths, 1), jnp.where(real, parents, 0),
           jnp.where(real[:, :, None], ancestors & real[:, None, :], eye))
 
