@@ -301,12 +301,14 @@ def main(argv):
         "live_rows_plain": plain[-1][1].stats["rollout/live_rows"],
         "live_rows_sd": sd[-1][1].stats["rollout/live_rows"],
     }
+    log(json.dumps(report["long_tail"]))
   if _ACCEPT_PROMPTS.value:
     accept_prompts = [tokenizer.chat_prompt(q)
                       for q in questions["accept"][:_ACCEPT_PROMPTS.value]]
     for temperature in (float(t) for t in _TEMPERATURES.value):
       for strategy in _ACCEPT_STRATEGIES.value:
         log(f"accept T={temperature} strategy={strategy}")
+        release_programs()
         result = generate(params, model.config, accept_prompts,
                           max_new_tokens=_NEW_TOKENS.value,
                           sampling=SamplingParams(temperature=temperature), eos_ids=eos,
