@@ -12,7 +12,7 @@ N ids of the drafter's own that are most frequent in those corpora's responses. 
 drafter's weights do not depend on it (the head is the target's), and every drafting level
 pays head time for each id: the shipped SmolLM2 drafter keeps 8192 of its 16384 (which
 cover 99.0% of its corpora's response tokens, as all 16384 do) and accepts as much at T=0
-(benchmarks/results/rollout_cpu.json, `draft_vocab_8k`).
+(benchmarks/results/rollout_cpu.json as of commit 1313427, `draft_vocab_8k`).
 Exit code 2 with one `error: ...` line on stderr for any bad flag or input.
 """
 from __future__ import annotations
