@@ -212,9 +212,10 @@ def main(argv):
     return plain, sd
 
   def release_programs():
-    """Drops the settings before's compiled programs: each setting precompiles its own,
-    and every executable keeps ~200 memory maps, so the whole run kept would reach the
-    kernel's vm.max_map_count (65530) and LLVM fails to allocate."""
+    """Drops earlier settings' compiled programs: each setting, the long tail and each
+    accept rollout compile their own, and every executable keeps ~200 memory maps, so the
+    whole run kept would reach the kernel's vm.max_map_count (65530) and LLVM fails to
+    allocate."""
     jax.clear_caches()
     gc.collect()
 
