@@ -34,6 +34,12 @@ def _drop_orbax_tracebacks(record: std_logging.LogRecord) -> bool:
   return not (record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname)
 
 
+def _drop_unretrieved_write_errors(record: std_logging.LogRecord) -> bool:
+  """A failed save's other tensorstore writes fail the same way; asyncio logs each, with
+  its traceback, when it collects them: after the one-line error, burying it."""
+  return "exception was never retrieved" not in record.getMessage()
+
+
 def _quiet_unraisable(unraisable) -> None:
   """After a failed orbax write, tensorstore completes the other writes into asyncio loops
   orbax already closed; the 'Event loop is closed' each raises is noise, not the fault."""
@@ -54,6 +60,7 @@ def run(main: Callable[[list[str]], Any]) -> None:
     if not flags.FLAGS["verbosity"].present:
       logging.set_verbosity(logging.WARNING)  # jax and orbax log chatty INFO lines
       std_logging.getLogger("absl").addFilter(_drop_orbax_tracebacks)
+      std_logging.getLogger("asyncio").addFilter(_drop_unretrieved_write_errors)
       sys.unraisablehook = _quiet_unraisable
     try:
       return main(argv)

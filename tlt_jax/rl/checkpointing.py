@@ -9,7 +9,6 @@ killed midway never hides the last good checkpoint; `latest_step` sees finished 
 """
 from __future__ import annotations
 
-import logging
 import os
 import re
 from typing import Any
@@ -73,17 +72,10 @@ class RunCheckpoints:
     try:
       action()
     except (OSError, ValueError) as e:  # tensorstore write errors arrive as ValueError
-      # The save's other writes fail the same way; asyncio would log each with a traceback
-      # when it collects them, after (and burying) the one line below.
-      logging.getLogger("asyncio").addFilter(_drop_unretrieved_errors)
       last = self._manager.latest_step()
       kept = "no checkpoint yet" if last is None else f"the last good checkpoint is step {last}"
       raise UserInputError(f"{self.directory}: checkpoint save failed ({_reason(e)}); "
                            f"{kept}") from None
-
-
-def _drop_unretrieved_errors(record: logging.LogRecord) -> bool:
-  return "exception was never retrieved" not in record.getMessage()
 
 
 def _reason(error: Exception) -> str:
