@@ -107,9 +107,13 @@ def bytes_per_step(params, config, cache_len: int) -> dict:
   """Bytes a batch-1 decode step reads: every param once, plus the K/V cache it attends over.
 
   The tied embedding is one array: the LM head reads all of it, the lookup one row more.
-  tlt attends over the whole (bucketed) cache each step, masked, so all of it is read.
+  In the packed CPU layout the head is its own copy (`packed_lm_head`): the embedding and
+  an untied `lm_head` are then only looked up. tlt attends over the whole (bucketed)
+  cache each step, masked, so all of it is read.
   """
-  weights = sum(x.nbytes for x in jax.tree.leaves(params))
+  unread = ("embed", "lm_head") if "packed_lm_head" in params else ()
+  weights = sum(x.nbytes for name, tree in params.items() if name not in unread
+                for x in jax.tree.leaves(tree))
   itemsize = params["embed"].dtype.itemsize
   kv = 2 * config.num_layers * cache_len * config.num_kv_heads * config.head_dim * itemsize
   return {"weights": weights, "kv_cache": kv}
@@ -319,7 +323,7 @@ def main() -> None:
     tunix.close()
 
   cache_len = BucketSpec().cache_length(PROMPT_TOKENS + NEW_TOKENS)  # what generate allocates
-  read = bytes_per_step(tlt_model.params, config, cache_len)
+  read = bytes_per_step(tlt_params, config, cache_len)
   result = {
       "model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to fp32)",
       "prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS, "repeats": args.repeats,

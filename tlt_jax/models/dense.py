@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import jax
 
+from tlt_jax.cpu.packed_matmul import PackedWeight, packed_matmul
+
 
 @jax.custom_vjp
 def _dense_cpu(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -34,8 +36,10 @@ def _dense_bwd(residuals, g):
 _dense_cpu.defvjp(_dense_fwd, _dense_bwd)
 
 
-def dense(x: jax.Array, w: jax.Array) -> jax.Array:
-  """x [..., in] @ w [in, out]."""
+def dense(x: jax.Array, w: jax.Array | PackedWeight) -> jax.Array:
+  """x [..., in] @ w [in, out]; packed weights (the rollout's CPU layout) by their kernel."""
+  if isinstance(w, PackedWeight):
+    return packed_matmul(x, w)
   if jax.default_backend() == "cpu":
     return _dense_cpu(x, w)
   return x @ w

@@ -11,6 +11,8 @@ per layer (`unstack_layers`: a tuple of layers, each weight [1, ...]), run as an
 loop. Rollout uses the second: under a scan, XLA's CPU backend copies each layer's
 weights and cache out of the stacked arrays at every decode step (about as much memory
 traffic again as the step's own reads), while a layer's own buffers are read in place.
+On a CPU with the packed-matmul kernel (`tlt_jax.cpu.packed_matmul`), the rollout's layout
+also holds float32 matrices and the LM head as that kernel's column panels.
 
 Param layout (matrices are [in, out]):
   embed [V, E]; final_norm [E]; lm_head [E, V] (untied only);
@@ -20,10 +22,13 @@ Param layout (matrices are [in, out]):
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tlt_jax.cpu.packed_matmul import PackedWeight, pack, use_kernel
 from tlt_jax.data.packing import block_causal_mask
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.dense import dense
@@ -57,19 +62,40 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Param
   return params
 
 
-def unstack_layers(params: Params) -> Params:
+def unstack_layers(params: Params, pack_weights: bool | None = None) -> Params:
   """The params with their layers split into a tuple of per-layer pytrees (each weight
   [1, ...]): the rollout's layout (module doc). Copies the layer weights once; params
-  already split are returned as they are."""
+  already split are returned as they are.
+
+  pack_weights also packs every matrix, and the LM head as `packed_lm_head`, into the CPU
+  kernel's panels (`tlt_jax.cpu.packed_matmul`); None packs where that kernel runs."""
+  packed = "packed_lm_head" in params
   if isinstance(params["layers"], tuple):
+    if pack_weights is False and packed:
+      raise ValueError("params are in the packed CPU layout; pass them stacked instead")
     return params
-  return {**params, "layers": _split_layers(params["layers"])}
+  if pack_weights is None:
+    pack_weights = use_kernel(params["embed"].dtype)
+  layers = _split_layers(params["layers"], pack_weights)
+  if not pack_weights:
+    return {**params, "layers": layers}
+  return {**params, "layers": layers, "packed_lm_head": _packed_head(params)}
+
+
+PACKED_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _split_layers(layers: Params, pack_weights: bool) -> tuple[Params, ...]:
+  if pack_weights:
+    layers = {name: pack(w) if name in PACKED_MATRICES else w for name, w in layers.items()}
+  num_layers = jax.tree.leaves(layers)[0].shape[0]
+  return tuple(jax.tree.map(lambda w: w[i:i + 1], layers) for i in range(num_layers))
 
 
 @jax.jit
-def _split_layers(layers: Params) -> tuple[Params, ...]:
-  num_layers = jax.tree.leaves(layers)[0].shape[0]
-  return tuple(jax.tree.map(lambda w: w[i:i + 1], layers) for i in range(num_layers))
+def _packed_head(params: Params) -> PackedWeight:
+  return pack(params["lm_head"] if "lm_head" in params else params["embed"].T)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -89,8 +115,11 @@ def embed_tokens(params: Params, tokens: jax.Array) -> jax.Array:
 def lm_logits(params: Params, config: ModelConfig, hidden: jax.Array,
               rules: MeshRules | None = None) -> jax.Array:
   """Float32 logits from final (post-norm) hidden states [..., E]."""
-  head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
-  logits = jnp.einsum("...e,ev->...v", hidden, head, preferred_element_type=jnp.float32)
+  if "packed_lm_head" in params:   # float32 only (`unstack_layers`)
+    logits = dense(hidden, params["packed_lm_head"])
+  else:
+    head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
+    logits = jnp.einsum("...e,ev->...v", hidden, head, preferred_element_type=jnp.float32)
   return constrain(logits, ("batch",) + (None,) * (logits.ndim - 2) + ("act_vocab",), rules)
 
 

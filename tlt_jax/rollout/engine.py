@@ -459,7 +459,9 @@ def place_rollout(params: Params, config: ModelConfig, spec: SpecConfig | None,
   """The params in the rollout's layout (`unstack_layers`), and the drafter, laid out on the
   replica's mesh by the rules (tensor-parallel over heads, batch over the data axis); the
   same rules place every cache and constrain every activation of the rollout's programs."""
-  params = place(unstack_layers(params), param_logical_axes(config, per_layer=True), rules)
+  # The CPU kernel's packed weights run on one device: a sharded replica keeps plain ones.
+  params = unstack_layers(params, pack_weights=None if rules is None else False)
+  params = place(params, param_logical_axes(config, per_layer=True), rules)
   if spec is None or rules is None or spec.drafter is None:
     return params, spec
   vocab_ids = None if spec.vocab_ids is None else place(spec.vocab_ids, (None,), rules)

@@ -1,0 +1,111 @@
+"""The CPU packed-matmul kernel: panels round-trip, products equal a float64 numpy matmul
+for every row count it takes (and the XLA path above them), a row gets the same bits alone
+or in a batch, the rollout layout packs and computes what the plain layout does, and the
+mode switch says what it does (a failed build is an error in `kernel` mode, a warning in
+`auto`)."""
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tlt_jax.cpu import packed_matmul as pm
+from tlt_jax.models import transformer
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.kv_cache import init_cache
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+needs_kernel = pytest.mark.skipif(
+    pm._build_problem() is not None, reason=f"packed-matmul kernel unavailable: "
+                                            f"{pm._build_problem()}")
+
+
+@pytest.mark.parametrize("shape", [(7, 25), (2, 3, 48, 50), (5, 24)])
+def test_pack_round_trips(shape):
+  w = jnp.asarray(np.random.default_rng(0).standard_normal(shape, dtype=np.float32))
+  packed = pm.pack(w)
+  assert packed.panels.shape == shape[:-1][:-1] + (-(-shape[-1] // pm.PANEL), shape[-2],
+                                                   pm.PANEL)
+  np.testing.assert_array_equal(pm.unpack(packed), w)
+
+
+@needs_kernel
+@pytest.mark.parametrize("k,n", [(576, 960), (64, 50), (7, 25), (33, 1)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, pm.MAX_KERNEL_ROWS, pm.MAX_KERNEL_ROWS + 1])
+def test_products_match_numpy(k, n, rows):
+  rng = np.random.default_rng(k * n + rows)
+  w = rng.standard_normal((k, n), dtype=np.float32)
+  x = rng.standard_normal((rows, k), dtype=np.float32)
+  got = jax.jit(pm.packed_matmul)(jnp.asarray(x), pm.pack(jnp.asarray(w)))
+  want = x.astype(np.float64) @ w.astype(np.float64)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+
+
+@needs_kernel
+def test_a_row_has_the_same_bits_alone_or_in_a_batch():
+  rng = np.random.default_rng(1)
+  w = pm.pack(jnp.asarray(rng.standard_normal((576, 200), dtype=np.float32)))
+  x = jnp.asarray(rng.standard_normal((2, 9, 576), dtype=np.float32))
+  together = jax.jit(pm.packed_matmul)(x, w)
+  assert together.shape == (2, 9, 200)
+  for i in (0, 4, 8):
+    np.testing.assert_array_equal(jax.jit(pm.packed_matmul)(x[1, i:i + 1], w)[0],
+                                  together[1, i])
+
+
+@needs_kernel
+def test_rollout_layout_packs_and_matches_the_plain_layout():
+  config = ModelConfig(model_type="llama", vocab_size=61, hidden_size=48, intermediate_size=72,
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=12,
+                       tie_word_embeddings=True, max_position_embeddings=64)
+  params = transformer.init_params(config, jax.random.key(0))
+  packed = transformer.unstack_layers(params)          # auto: packs on this CPU
+  plain = transformer.unstack_layers(params, pack_weights=False)
+  assert isinstance(packed["layers"][0]["w_up"], pm.PackedWeight)
+  assert isinstance(packed["packed_lm_head"], pm.PackedWeight)
+  tokens = jnp.asarray(np.random.default_rng(2).integers(0, 61, (3, 6)))
+  positions = jnp.broadcast_to(jnp.arange(6), (3, 6))
+
+  def logits(p):
+    hidden, _ = transformer.forward(p, config, tokens, positions,
+                                    init_cache(config, 3, 16, per_layer=True))
+    return transformer.lm_logits(p, config, hidden)
+
+  np.testing.assert_allclose(logits(packed), logits(plain), atol=1e-5)
+  with pytest.raises(ValueError, match="packed CPU layout"):
+    transformer.unstack_layers(packed, pack_weights=False)
+
+
+def _use_kernel_in_subprocess(tmp_path, **env):
+  code = ("import jax.numpy as jnp; from tlt_jax.cpu import packed_matmul as pm; "
+          "print('use_kernel', pm.use_kernel(jnp.float32), pm.use_kernel(jnp.bfloat16))")
+  return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu",
+                             "TLT_JAX_CACHE": str(tmp_path), **env}, timeout=300)
+
+
+def test_modes(tmp_path):
+  assert "use_kernel False False" in _use_kernel_in_subprocess(
+      tmp_path, TLT_JAX_CPU_MATMUL="xla").stdout
+  bad = _use_kernel_in_subprocess(tmp_path, TLT_JAX_CPU_MATMUL="fast")
+  assert bad.returncode != 0 and "TLT_JAX_CPU_MATMUL='fast'" in bad.stderr
+
+
+def test_a_failed_build_warns_in_auto_mode_and_fails_in_kernel_mode(tmp_path):
+  auto = _use_kernel_in_subprocess(tmp_path, CXX="false")
+  assert "use_kernel False False" in auto.stdout, auto.stderr[-2000:]
+  assert "rollout matmuls use XLA's dot" in auto.stderr
+  strict = _use_kernel_in_subprocess(tmp_path, CXX="false", TLT_JAX_CPU_MATMUL="kernel")
+  assert strict.returncode != 0
+  assert "TLT_JAX_CPU_MATMUL=kernel: " in strict.stderr
+  assert not list(tmp_path.rglob("*.so")), "a failed build left a library behind"
+
+
+@needs_kernel
+def test_kernel_mode_builds_into_the_cache_dir(tmp_path):
+  built = _use_kernel_in_subprocess(tmp_path, TLT_JAX_CPU_MATMUL="kernel")
+  assert "use_kernel True False" in built.stdout, built.stderr[-2000:]
+  assert len(list(tmp_path.rglob("packed_matmul_*.so"))) == 1
