@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <thread>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -109,7 +110,9 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   for (int64_t t = 1; t < std::min(threads, job->chunks); ++t)
     pool.Schedule([job] { job->work(); });
   job->work();
-  while (job->done.load(std::memory_order_acquire) < job->chunks) _mm_pause();
+  // Yield rather than spin: with more threads than cores (parallel test processes) the
+  // thread we wait for may need this core.
+  while (job->done.load(std::memory_order_acquire) < job->chunks) std::this_thread::yield();
   return ffi::Error::Success();
 }
 
