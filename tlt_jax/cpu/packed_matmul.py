@@ -115,8 +115,8 @@ def _cpu_flags() -> set[str]:
       for line in f:
         if line.startswith("flags"):
           return set(line.split(":", 1)[1].split())
-  except OSError:
-    pass
+  except OSError:   # not Linux: the kernel is not offered (use_kernel says why)
+    return set()
   return set()
 
 
