@@ -1,8 +1,8 @@
 """The CPU packed-matmul kernel: panels round-trip, products equal a float64 numpy matmul
 for every row count it takes (and the XLA path above them), a row gets the same bits alone
-or in a batch, the rollout layout packs and computes what the plain layout does, and the
-mode switch says what it does (a failed build is an error in `kernel` mode, a warning in
-`auto`)."""
+or in a batch, weights sharing an input give in one call the bits they give alone, the
+rollout layout packs and computes what the plain layout does, and the mode switch says
+what it does (a failed build is an error in `kernel` mode, a warning in `auto`)."""
 import os
 import subprocess
 import sys
@@ -54,6 +54,21 @@ def test_a_row_has_the_same_bits_alone_or_in_a_batch():
   for i in (0, 4, 8):
     np.testing.assert_array_equal(jax.jit(pm.packed_matmul)(x[1, i:i + 1], w)[0],
                                   together[1, i])
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 6])
+def test_weights_sharing_an_input_give_the_bits_of_one_call_each(rows):
+  rng = np.random.default_rng(rows)
+  x = jnp.asarray(rng.standard_normal((rows, 64), dtype=np.float32))
+  weights = [pm.pack(jnp.asarray(rng.standard_normal((64, n), dtype=np.float32)))
+             for n in (96, 25, 1, 200)]
+  together = jax.jit(pm.packed_matmuls)(x, weights)
+  assert [y.shape for y in together] == [(rows, 96), (rows, 25), (rows, 1), (rows, 200)]
+  for y, w in zip(together, weights):
+    np.testing.assert_array_equal(y, jax.jit(pm.packed_matmul)(x, w))
+  with pytest.raises(ValueError, match="1 to 4 weights"):
+    pm.packed_matmuls(x, weights + weights[:1])
 
 
 @needs_kernel

@@ -1,4 +1,4 @@
-// y[M, N] = x[M, K] @ w for float32 weights packed as [ceil(N / 24), K, 24] column panels
+// y_i[M, N_i] = x[M, K] @ w_i for float32 weights packed as [ceil(N / 24), K, 24] column panels
 // (zero-padded), for the rollout's small-M matmuls on x86 CPUs with AVX2 and FMA.
 //
 // Why: at 4-16 rows XLA's CPU dot (like OpenBLAS) runs 2-3x below the weights' streaming
@@ -68,45 +68,66 @@ void panel(const float* x, const float* w, float* y, int64_t m, int64_t k, int64
   }
 }
 
-// Panels split into chunks that the caller and the pool's threads claim in turn. The
-// caller waits only for chunks another thread has claimed (running), never for a task
-// still queued: two calls on a two-thread pool cannot wait on each other.
+constexpr int kMaxWeights = 4;  // weights per call (q, k, v; gate, up)
+
+// The panels of all weights, in order, split into chunks that the caller and the pool's
+// threads claim in turn: one call for several weights of one input costs one fork-join
+// (at decode, ~10 us of a 25-100 us matmul). The caller waits only for chunks another
+// thread has claimed (running), never for a task still queued: two calls on a two-thread
+// pool cannot wait on each other.
 struct Job {
   const float* x;
-  const float* w;
-  float* y;
-  int64_t m, k, n, panels, chunk, chunks;
+  int64_t m, k, weights;
+  const float* w[kMaxWeights];
+  float* y[kMaxWeights];
+  int64_t n[kMaxWeights];
+  int64_t first[kMaxWeights + 1];  // weight i holds global panels [first[i], first[i + 1])
+  int64_t chunk, chunks;
   std::atomic<int64_t> next{0}, done{0};
 
   void work() {
     for (int64_t c; (c = next.fetch_add(1)) < chunks;) {
-      for (int64_t p = c * chunk, end = std::min(panels, p + chunk); p < end; ++p)
-        panel(x, w, y, m, k, n, p);
+      int64_t i = 0;
+      for (int64_t g = c * chunk, end = std::min(first[weights], g + chunk); g < end; ++g) {
+        while (g >= first[i + 1]) ++i;
+        panel(x, w[i], y[i], m, k, n[i], g - first[i]);
+      }
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
 
-ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                        ffi::BufferR3<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
-  const auto w_dims = w.dimensions();
-  const auto y_dims = y->dimensions();
-  const int64_t k = w_dims[1], n = y_dims.back();
-  if (w_dims[2] != kPanel || x.dimensions().back() != k ||
-      (n + kPanel - 1) / kPanel != w_dims[0])
-    return ffi::Error::InvalidArgument("packed_matmul: operand shapes do not match");
+// x [M, K] and weights [ceil(N_i / 24), K, 24] -> y_i [M, N_i].
+ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
+                        ffi::RemainingRets ys) {
+  if (ws.size() != ys.size() || ws.size() < 1 || ws.size() > kMaxWeights)
+    return ffi::Error::InvalidArgument("packed_matmul: 1 to 4 weights, one result each");
   auto job = std::make_shared<Job>();
   job->x = x.typed_data();
-  job->w = w.typed_data();
-  job->y = y->typed_data();
-  job->m = x.element_count() / k;
-  job->k = k;
-  job->n = n;
-  job->panels = w_dims[0];
+  job->weights = static_cast<int64_t>(ws.size());
+  job->first[0] = 0;
+  for (int64_t i = 0; i < job->weights; ++i) {
+    auto w = ws.get<ffi::BufferR3<ffi::F32>>(i);
+    auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
+    if (!w.has_value() || !y.has_value())
+      return ffi::Error::InvalidArgument("packed_matmul: weights and results are float32");
+    const auto w_dims = w->dimensions();
+    const int64_t k = w_dims[1], n = (*y)->dimensions().back();
+    if (i == 0) job->k = k;
+    if (w_dims[2] != kPanel || k != job->k || x.dimensions().back() != k ||
+        (n + kPanel - 1) / kPanel != w_dims[0])
+      return ffi::Error::InvalidArgument("packed_matmul: operand shapes do not match");
+    job->w[i] = w->typed_data();
+    job->y[i] = (*y)->typed_data();
+    job->n[i] = n;
+    job->first[i + 1] = job->first[i] + w_dims[0];
+  }
+  job->m = x.element_count() / job->k;
+  const int64_t panels = job->first[job->weights];
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // A few chunks per thread even out a thread that starts late.
-  job->chunk = std::max<int64_t>(1, job->panels / (8 * threads));
-  job->chunks = (job->panels + job->chunk - 1) / job->chunk;
+  job->chunk = std::max<int64_t>(1, panels / (8 * threads));
+  job->chunks = (panels + job->chunk - 1) / job->chunk;
   for (int64_t t = 1; t < std::min(threads, job->chunks); ++t)
     pool.Schedule([job] { job->work(); });
   job->work();
@@ -122,5 +143,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TltPackedMatmul, PackedMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::BufferR3<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .RemainingArgs()
+                                  .RemainingRets());

@@ -21,6 +21,7 @@ import math
 import os
 import subprocess
 import tempfile
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,7 @@ PANEL = 24  # output columns per panel (packed_matmul.cc's kPanel)
 # 4 rows, 1.7x at 16, 1.0x at 256); above it (prefill) x no longer stays in cache across
 # panels, and XLA's blocked GEMM runs on the unpacked weights.
 MAX_KERNEL_ROWS = 256
+MAX_WEIGHTS = 4  # weights per kernel call (packed_matmul.cc's kMaxWeights)
 MODES = ("auto", "kernel", "xla")
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "packed_matmul.cc")
 _TARGET = "tlt_packed_matmul"
@@ -62,13 +64,22 @@ def reference_matmul(x: jax.Array, w: PackedWeight) -> jax.Array:
 
 def packed_matmul(x: jax.Array, w: PackedWeight) -> jax.Array:
   """x [..., K] @ w -> [..., N] float32; the kernel for up to MAX_KERNEL_ROWS rows."""
+  return packed_matmuls(x, (w,))[0]
+
+
+def packed_matmuls(x: jax.Array, weights: Sequence[PackedWeight]) -> tuple[jax.Array, ...]:
+  """x @ w for each of 1 to MAX_WEIGHTS weights that share the input (q, k, v; gate, up) in
+  one kernel call, one fork-join of its threads for all of them."""
+  if not 1 <= len(weights) <= MAX_WEIGHTS:
+    raise ValueError(f"packed_matmuls takes 1 to {MAX_WEIGHTS} weights, got {len(weights)}")
   rows = math.prod(x.shape[:-1])
   if rows > MAX_KERNEL_ROWS or rows == 0:
-    return reference_matmul(x, w)
+    return tuple(reference_matmul(x, w) for w in weights)
   _register()
-  out = jax.ShapeDtypeStruct((rows, w.out_features), jnp.float32)
-  y = jax.ffi.ffi_call(_TARGET, out)(x.reshape(rows, x.shape[-1]), w.panels)
-  return y.reshape(*x.shape[:-1], w.out_features)
+  outs = tuple(jax.ShapeDtypeStruct((rows, w.out_features), jnp.float32) for w in weights)
+  ys = jax.ffi.ffi_call(_TARGET, outs)(x.reshape(rows, x.shape[-1]),
+                                       *(w.panels for w in weights))
+  return tuple(y.reshape(*x.shape[:-1], w.out_features) for y, w in zip(ys, weights))
 
 
 def use_kernel(dtype) -> bool:

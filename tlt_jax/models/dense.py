@@ -10,9 +10,11 @@ own backward: their dot libraries take transposed operands at full speed.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 
-from tlt_jax.cpu.packed_matmul import PackedWeight, packed_matmul
+from tlt_jax.cpu.packed_matmul import PackedWeight, packed_matmul, packed_matmuls
 
 
 @jax.custom_vjp
@@ -43,3 +45,11 @@ def dense(x: jax.Array, w: jax.Array | PackedWeight) -> jax.Array:
   if jax.default_backend() == "cpu":
     return _dense_cpu(x, w)
   return x @ w
+
+
+def dense_shared_input(x: jax.Array, weights: Sequence[jax.Array | PackedWeight]
+                       ) -> tuple[jax.Array, ...]:
+  """`dense(x, w)` for each weight; packed weights in one kernel call (one fork-join)."""
+  if all(isinstance(w, PackedWeight) for w in weights):
+    return packed_matmuls(x, weights)
+  return tuple(dense(x, w) for w in weights)

@@ -31,7 +31,7 @@ import numpy as np
 from tlt_jax.cpu.packed_matmul import PackedWeight, pack, use_kernel
 from tlt_jax.data.packing import block_causal_mask
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.dense import dense
+from tlt_jax.models.dense import dense, dense_shared_input
 from tlt_jax.models.kv_cache import KVCache, init_cache, layer_buffer
 from tlt_jax.models.rope import apply_rope, inverse_frequencies
 from tlt_jax.pallas.tree_attention import tree_attention
@@ -138,7 +138,7 @@ def _layer(config: ModelConfig, inv_freq: np.ndarray, rules: MeshRules | None,
   kh, d = config.num_kv_heads, config.head_dim
   # The EAGLE drafter's layer has no input norm: its input is already a projection.
   h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps) if "attn_norm" in layer else x
-  q, k, v = dense(h, layer["wq"]), dense(h, layer["wk"]), dense(h, layer["wv"])
+  q, k, v = dense_shared_input(h, (layer["wq"], layer["wk"], layer["wv"]))
   if config.qkv_bias:
     q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
   q = constrain(q.reshape(b, t, config.num_heads, d), ("batch", None, "act_heads", None), rules)
@@ -155,8 +155,8 @@ def _layer(config: ModelConfig, inv_freq: np.ndarray, rules: MeshRules | None,
   x = x + dense(attn.reshape(b, t, config.num_heads * d), layer["wo"])
 
   h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
-  gate = constrain(dense(h, layer["w_gate"]), ("batch", None, "act_mlp"), rules)
-  up = constrain(dense(h, layer["w_up"]), ("batch", None, "act_mlp"), rules)
+  gate, up = (constrain(y, ("batch", None, "act_mlp"), rules)
+              for y in dense_shared_input(h, (layer["w_gate"], layer["w_up"])))
   x = x + dense(jax.nn.silu(gate) * up, layer["w_down"])
   return constrain(x, ("batch", None, "act_embed"), rules), k, v
 
