@@ -38,7 +38,8 @@ import numpy as np
 import torch
 import transformers
 
-from experiments import cli
+from experiments import cli, host_malloc
+from tlt_jax.cpu import kernels as cpu_kernels
 from tlt_jax.errors import UserInputError
 from tlt_jax.models.bundled import smollm2_gguf_path
 from tlt_jax.models.loading import load_model
@@ -67,8 +68,8 @@ def median(xs):
 class BandwidthProbe:
   """Read bandwidth: a ~1 GiB fp32 array reduced by two threads, one half each.
 
-  Sampled next to every decode repeat, since other load on the machine moves it. Under
-  load numpy's float32 sum ran up to ~1.5x slower than max; any full read is a lower
+  Sampled just before and after every tlt run, since other load on the machine moves it.
+  Under load numpy's float32 sum ran up to ~1.5x slower than max; any full read is a lower
   bound on the bandwidth, so each sample keeps the faster kernel's median.
   """
 
@@ -211,8 +212,9 @@ def agreement(ours: list[int], theirs: list[int]) -> dict:
 
 def bench_batch(tlt_model, tlt_params, hf_model, tunix: TunixSide | None, prompts,
                 repeats: int, probe: BandwidthProbe) -> dict:
-  """Warm-up of each side (tlt's and Tunix's first calls compile), then `repeats` of tlt,
-  hf..., tunix, probe."""
+  """Warm-up of each side (tlt's and Tunix's first calls compile), then `repeats` of
+  probe, tlt, probe, hf..., tunix: the bandwidth paired with a tlt run is the mean of the
+  probes just before and just after it (the host's load moves both within seconds)."""
   b = len(prompts)
   first = run_tlt(tlt_model, tlt_params, prompts)
   log(f"batch {b}: tlt first call {first['wall_s']:.2f}s")
@@ -221,13 +223,14 @@ def bench_batch(tlt_model, tlt_params, hf_model, tunix: TunixSide | None, prompt
   tunix_first = tunix.run(b) if tunix else None
   tlt, hf, tunix_runs, bandwidth = [], {n: [] for n in HF_THREADS}, [], []
   for r in range(repeats):
+    before = probe.sample()
     tlt.append(run_tlt(tlt_model, tlt_params, prompts))
+    bandwidth.append((before + probe.sample()) / 2)
     assert tlt[-1]["new_programs"] == 0, "a steady-state call compiled"
     for threads in HF_THREADS:
       hf[threads].append(run_hf(hf_model, prompts, threads))
     if tunix:
       tunix_runs.append(tunix.run(b))
-    bandwidth.append(probe.sample())
     log(f"batch {b} repeat {r + 1}/{repeats}: tlt {tlt[-1]['tokens_per_s']:.1f} tok/s, " +
         ", ".join(f"hf@{n} {hf[n][-1]['tokens_per_s']:.1f}" for n in HF_THREADS) +
         (f", tunix {tunix_runs[-1]['tokens_per_s']:.1f}" if tunix else "") +
@@ -295,6 +298,7 @@ def main() -> None:
   parser.add_argument("--bench_dir", default=".bench_venvs",
                       help="peer venvs and the HF copy of SmolLM2 (as benchmarks/rl_step.py)")
   args = parser.parse_args()
+  host_malloc.reexec_with_huge_pages()   # as every entry point runs (all sides inherit it)
   if args.output:
     try:
       cli.check_output_file(args.output, "--output")
@@ -317,8 +321,8 @@ def main() -> None:
   prompts = {b: rng.integers(0, config.vocab_size, (b, PROMPT_TOKENS)).tolist()
              for b in BATCH_SIZES}
   tunix = TunixSide(args.bench_dir, prompts) if args.tunix else None
-  batches = {b: bench_batch(tlt_model, tlt_params, hf_model, tunix, prompts[b], args.repeats, probe)
-             for b in BATCH_SIZES}
+  batches = {b: bench_batch(tlt_model, tlt_params, hf_model, tunix, prompts[b], args.repeats,
+                            probe) for b in BATCH_SIZES}
   if tunix:
     tunix.close()
 
@@ -332,6 +336,8 @@ def main() -> None:
                    "transformers": transformers.__version__,
                    "tunix": PEER_PACKAGES["tunix"][0] if args.tunix else None},
       "cpus": os.cpu_count(), "hf_torch_threads": list(HF_THREADS),
+      "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+      "cpu_kernels": os.environ.get(cpu_kernels.ENV, "auto"),
       "loadavg_1m": {"before": load_before[0], "after": os.getloadavg()[0]},
       "bandwidth": probe.report(),
       "batches": {str(b): r for b, r in batches.items()},

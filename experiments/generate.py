@@ -59,8 +59,10 @@ _BANDIT_STATE = flags.DEFINE_string(
     "rollout, so the bandit keeps learning across runs.")
 _SD_THRESHOLD = flags.DEFINE_integer("sd_threshold", 32, "SD turns on once at most this many "
                                      "rows are live ...")
-_ATTENTION = flags.DEFINE_enum("attention_impl", "auto", ["auto", "reference", "pallas", "triton"],
-                               "Attention kernel: auto = Pallas on GPU, jnp elsewhere.")
+_ATTENTION = flags.DEFINE_enum("attention_impl", "auto",
+                               ["auto", "reference", "pallas", "triton", "cpu"],
+                               "Attention kernel: auto = Pallas on GPU; on CPU the C++ kernel "
+                               "for decode and verification, jnp for prefill.")
 _SD_PATIENCE = flags.DEFINE_integer("sd_patience", 10, "... for this many decode steps.")
 _DRAFT_TEMPERATURE_RATIO = flags.DEFINE_float(
     "draft_temperature_ratio", None, "Sampled trees (topk > 1) draw drafts at this times "

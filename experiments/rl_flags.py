@@ -54,8 +54,8 @@ _SD_PATIENCE = flags.DEFINE_integer("sd_patience", 10, "... for this many decode
 _PRECOMPILE = flags.DEFINE_bool("precompile", False, "Compile every program a step's rollout "
                                 "and update can dispatch before step 1 (minutes on CPU), so "
                                 "no step waits on the compiler.")
-_ATTENTION = flags.DEFINE_enum("attention_impl", "auto", ["auto", "reference", "pallas",
-                                                          "triton"], "Rollout attention kernel.")
+_ATTENTION = flags.DEFINE_enum("attention_impl", "auto",
+                               ["auto", "reference", "pallas", "triton", "cpu"], "Rollout attention kernel (experiments/generate.py's flag).")
 # ---- algorithm
 _ADVANTAGE = flags.DEFINE_string("advantage", "grpo", "grpo | dr_grpo (no std division).")
 _ADV_EPS = flags.DEFINE_float("adv_eps", 1e-6, "Added to the group std.")

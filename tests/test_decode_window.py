@@ -1,16 +1,18 @@
-"""Decode chunks attend over a cache window sized to the longest live row: the tokens are
-those of a cacheless greedy reference, and the window grows in page x 2^k steps."""
+"""Decode chunks attend over a cache window sized to the longest live row (the CPU kernel
+over the whole cache, reading only the slots it sees): the tokens are those of a cacheless
+greedy reference, and the window grows in page x 2^k steps."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tlt_jax.cpu import kernels as cpu_kernels
 from tlt_jax.models import transformer
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import init_drafter_params
 from tlt_jax.models.kv_cache import init_cache
 from tlt_jax.rollout.buckets import BucketSpec
-from tlt_jax.rollout.engine import SpecConfig, generate
+from tlt_jax.rollout.engine import SpecConfig, generate, windowed_attention
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.strategy import SpecStrategy
 
@@ -45,8 +47,17 @@ def test_attention_window_buckets():
       [8, 8, 16, 16, 32, 40, 40]
 
 
+def test_only_the_cpu_kernel_attends_without_a_window():
+  """The CPU kernel reads only the slots a query sees: a window would only copy."""
+  assert windowed_attention("reference", None)
+  assert windowed_attention("auto", None) == (cpu_kernels.build_problem() is not None)
+  assert not windowed_attention("cpu", None)
+
+
+@pytest.mark.parametrize("attention_impl", ["reference", "auto"])
 @pytest.mark.parametrize("strategy", [None, "3_1_4", "3_2_5"])
-def test_windowed_decode_matches_cacheless_greedy(strategy):
+def test_windowed_decode_matches_cacheless_greedy(strategy, attention_impl):
+  """reference: windowed chunks; auto: on this CPU the kernel over the whole cache."""
   params = transformer.init_params(CONFIG, jax.random.key(3))
   rng = np.random.RandomState(0)
   prompts = [rng.randint(0, CONFIG.vocab_size, n).tolist() for n in (3, 11, 6)]
@@ -56,7 +67,8 @@ def test_windowed_decode_matches_cacheless_greedy(strategy):
   # Page 8 and 2-step chunks: the window grows by doubling up to the whole cache.
   result = generate(params, CONFIG, prompts, max_new_tokens=45,
                     sampling=SamplingParams(temperature=0.0),
-                    buckets=BucketSpec(cache_page=8, prompt_page=8), chunk_steps=2, spec=spec)
+                    buckets=BucketSpec(cache_page=8, prompt_page=8), chunk_steps=2, spec=spec,
+                    attention_impl=attention_impl)
   assert result.stats["cache_length"] >= 56
   for prompt, out in zip(prompts, result.outputs):
     tokens, logprobs = _greedy_without_cache(params, prompt, 45)

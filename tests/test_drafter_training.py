@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tlt_jax.cpu import kernels as cpu_kernels
 from tlt_jax.data import packing
 from tlt_jax import optim
 from tlt_jax.drafter import trainer
@@ -165,12 +166,15 @@ def test_training_overfits_small_corpus(target_params):
   assert float(final["loss"]) <= losses[-1] * 1.05
 
 
-@pytest.mark.parametrize("impl", ["auto", "reference", "pallas", "triton"])
+@pytest.mark.parametrize("impl", ["auto", "reference", "pallas", "triton", "cpu"])
 def test_train_step_with_every_attention_impl(impl, target_params):
   """A kernel in the drafter's loss differentiates (through the jnp reference's VJP) and
   gives the reference's update; Pallas runs interpreted on CPU."""
   if impl == "triton" and jax.default_backend() != "gpu":
     pytest.skip("the Triton kernel needs a GPU")
+  if impl == "cpu" and (jax.default_backend() != "cpu" or cpu_kernels.build_problem()):
+    pytest.skip(f"the CPU kernel needs the CPU backend and its build: "
+                f"{cpu_kernels.build_problem()}")
   rows = packing.pack_samples(_samples(6, 3), seq_len=32)
   optimizer = optim.make_optimizer(1e-3, total_steps=4)
   params = drafter.init_drafter_params(CONFIG, jax.random.key(6))

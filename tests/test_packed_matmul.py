@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tlt_jax.cpu import kernels
 from tlt_jax.cpu import packed_matmul as pm
 from tlt_jax.models import transformer
 from tlt_jax.models.config import ModelConfig
@@ -19,8 +20,8 @@ from tlt_jax.models.kv_cache import init_cache
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_kernel = pytest.mark.skipif(
-    pm._build_problem() is not None, reason=f"packed-matmul kernel unavailable: "
-                                            f"{pm._build_problem()}")
+    kernels.build_problem() is not None, reason=f"CPU kernels unavailable: "
+                                                f"{kernels.build_problem()}")
 
 
 @pytest.mark.parametrize("shape", [(7, 25), (2, 3, 48, 50), (5, 24)])
@@ -95,8 +96,8 @@ def test_rollout_layout_packs_and_matches_the_plain_layout():
 
 
 def _use_kernel_in_subprocess(tmp_path, **env):
-  code = ("import jax.numpy as jnp; from tlt_jax.cpu import packed_matmul as pm; "
-          "print('use_kernel', pm.use_kernel(jnp.float32), pm.use_kernel(jnp.bfloat16))")
+  code = ("import jax.numpy as jnp; from tlt_jax.cpu import kernels; "
+          "print('use_kernel', kernels.enabled(jnp.float32), kernels.enabled(jnp.bfloat16))")
   return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                         env={**os.environ, "JAX_PLATFORMS": "cpu",
                              "TLT_JAX_CACHE": str(tmp_path), **env}, timeout=300)
@@ -104,23 +105,23 @@ def _use_kernel_in_subprocess(tmp_path, **env):
 
 def test_modes(tmp_path):
   assert "use_kernel False False" in _use_kernel_in_subprocess(
-      tmp_path, TLT_JAX_CPU_MATMUL="xla").stdout
-  bad = _use_kernel_in_subprocess(tmp_path, TLT_JAX_CPU_MATMUL="fast")
-  assert bad.returncode != 0 and "TLT_JAX_CPU_MATMUL='fast'" in bad.stderr
+      tmp_path, TLT_JAX_CPU_KERNELS="xla").stdout
+  bad = _use_kernel_in_subprocess(tmp_path, TLT_JAX_CPU_KERNELS="fast")
+  assert bad.returncode != 0 and "TLT_JAX_CPU_KERNELS='fast'" in bad.stderr
 
 
 def test_a_failed_build_warns_in_auto_mode_and_fails_in_kernel_mode(tmp_path):
   auto = _use_kernel_in_subprocess(tmp_path, CXX="false")
   assert "use_kernel False False" in auto.stdout, auto.stderr[-2000:]
-  assert "rollout matmuls use XLA's dot" in auto.stderr
-  strict = _use_kernel_in_subprocess(tmp_path, CXX="false", TLT_JAX_CPU_MATMUL="kernel")
+  assert "the rollout uses XLA's own ops" in auto.stderr
+  strict = _use_kernel_in_subprocess(tmp_path, CXX="false", TLT_JAX_CPU_KERNELS="kernel")
   assert strict.returncode != 0
-  assert "TLT_JAX_CPU_MATMUL=kernel: " in strict.stderr
+  assert "TLT_JAX_CPU_KERNELS=kernel: " in strict.stderr
   assert not list(tmp_path.rglob("*.so")), "a failed build left a library behind"
 
 
 @needs_kernel
 def test_kernel_mode_builds_into_the_cache_dir(tmp_path):
-  built = _use_kernel_in_subprocess(tmp_path, TLT_JAX_CPU_MATMUL="kernel")
+  built = _use_kernel_in_subprocess(tmp_path, TLT_JAX_CPU_KERNELS="kernel")
   assert "use_kernel True False" in built.stdout, built.stderr[-2000:]
-  assert len(list(tmp_path.rglob("packed_matmul_*.so"))) == 1
+  assert len(list(tmp_path.rglob("tlt_cpu_kernels_*.so"))) == 1

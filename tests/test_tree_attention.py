@@ -3,7 +3,8 @@ read in place and the new tokens' keys as a block of their own.
 
 On CPU the Pallas kernel runs in interpret mode (the same kernel body, executed by XLA), so
 shapes stay small; it is also lowered for CUDA here to catch Triton-only shape rules. The
-compiled Pallas and Triton kernels are compared on a GPU only.
+compiled Pallas and Triton kernels are compared on a GPU only. The C++ CPU kernel
+(`tlt_jax.cpu.attention`) runs here wherever it builds.
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tlt_jax.cpu import attention as cpu_attention
+from tlt_jax.cpu import kernels as cpu_kernels
 from tlt_jax.models import transformer
 from tlt_jax.models.attention import attend
 from tlt_jax.models.config import ModelConfig
@@ -190,22 +193,38 @@ def test_kernel_path_reads_the_cache_in_place(new_tokens):
 
 
 def test_resolve_impl():
-  assert resolve_impl("auto", "cpu") == "reference"
+  on_cpu = "cpu" if cpu_kernels.build_problem() is None else "reference"
+  assert resolve_impl("auto", "cpu") == on_cpu
+  assert resolve_impl("auto", "cpu", sharded=True) == "reference"
   assert resolve_impl("auto", "gpu") == "pallas"
   assert resolve_impl("triton", "cpu") == "triton"
-  with pytest.raises(ValueError, match="auto, reference, pallas, triton"):
+  with pytest.raises(ValueError, match="auto, reference, pallas, triton, cpu"):
     resolve_impl("flash")
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU default")
-def test_dispatcher_uses_reference_on_cpu_and_interprets_pallas():
+def test_dispatcher_on_cpu_and_interpreted_pallas():
+  """auto: the CPU kernel for a few new tokens where it builds, the reference for a prefill
+  (more than MAX_NEW_TOKENS) and for bfloat16; cpu: the reference for a prefill."""
   inputs, rng = _inputs(3, 2, 5, 6, 2, 16, 40)
   q, cache_k, cache_v, k, v = inputs
   masks = _tree_masks(rng, 2, 5, 40)
   args = (q, cache_k, cache_v, masks[0], k, v, masks[1])
   reference = attend(*args)
-  np.testing.assert_array_equal(tree_attention(*args), reference)
+  assert _max_diff(tree_attention(*args), reference) <= FP32_TOL
   assert _max_diff(tree_attention(*args, impl="pallas"), reference) <= FP32_TOL
+  jaxpr = lambda *a: str(jax.make_jaxpr(tree_attention)(*a))
+  if cpu_kernels.build_problem() is None:
+    assert "tlt_attention" in jaxpr(*args)
+  prefill, _ = _inputs(4, 1, cpu_attention.MAX_NEW_TOKENS + 1, 6, 2, 16, 0)
+  t = cpu_attention.MAX_NEW_TOKENS + 1
+  prefill_args = (*prefill[:3], jnp.zeros((1, t, 0), bool), *prefill[3:],
+                  transformer.causal_mask(1, t))
+  assert "tlt_attention" not in jaxpr(*prefill_args)
+  assert "tlt_attention" not in str(jax.make_jaxpr(
+      lambda *a: tree_attention(*a, impl="cpu"))(*prefill_args))
+  bf16 = [x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x for x in args]
+  assert "tlt_attention" not in jaxpr(*bf16)
   with pytest.raises(ValueError, match="impl must be one of"):
     tree_attention(*args, impl="flash")
 
@@ -245,3 +264,62 @@ def test_compiled_kernels_match_reference_on_gpu(case, dtype, tol):
   triton = jax.jit(tree_attention_triton)(*args)
   assert _max_diff(pallas, reference) <= tol
   assert _max_diff(triton, reference) <= tol
+
+
+needs_cpu_kernels = pytest.mark.skipif(
+    cpu_kernels.build_problem() is not None,
+    reason=f"CPU kernels unavailable: {cpu_kernels.build_problem()}")
+
+
+def _cpu(*args):
+  return jax.jit(cpu_attention.cpu_attention)(*args)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("case", [(2, 1, 9, 3, 64, 37), (3, 5, 4, 4, 16, 50),
+                                  (1, 16, 6, 2, 128, 70), (2, 3, 24, 2, 8, 9)],
+                         ids=["decode-g3", "t5-g1", "t16-d128", "g12-blocks"])
+@pytest.mark.parametrize("masks", ["random", "tree"])
+def test_cpu_kernel_matches_reference(case, masks):
+  """Decode (T = 1, GQA 3 as SmolLM2) and verify shapes; the last case splits a kv head's
+  T x G = 36 query rows into blocks."""
+  batch, t, heads, kv_heads, dim, seq = case
+  inputs, rng = _inputs(sum(case), batch, t, heads, kv_heads, dim, seq)
+  q, cache_k, cache_v, k, v = inputs
+  make = _random_masks if masks == "random" else _tree_masks
+  cache_mask, new_mask = make(rng, batch, t, seq)
+  out = _cpu(q, cache_k, cache_v, cache_mask, k, v, new_mask)
+  assert out.shape == q.shape and out.dtype == jnp.float32
+  assert _max_diff(out, attend(q, cache_k, cache_v, cache_mask, k, v, new_mask)) <= FP32_TOL
+
+
+@needs_cpu_kernels
+def test_cpu_kernel_edge_cases_match_reference():
+  """A query that sees nothing averages all S + T values (the reference's finite mask);
+  a zero-slot cache; scores far apart (weights that underflow to 0 in the reference)."""
+  inputs, rng = _inputs(7, 2, 5, 6, 2, 16, 40)
+  q, cache_k, cache_v, k, v = inputs
+  cache_mask, new_mask = (np.array(m) for m in _random_masks(rng, 2, 5, 40))
+  cache_mask[1, 3] = new_mask[1, 3] = False
+  args = (q * 30, cache_k, cache_v, jnp.asarray(cache_mask), k, v, jnp.asarray(new_mask))
+  assert _max_diff(_cpu(*args), attend(*args)) <= FP32_TOL
+  empty = (q, cache_k[:, :, :0], cache_v[:, :, :0], jnp.zeros((2, 5, 0), bool), k, v,
+           transformer.causal_mask(2, 5))
+  assert _max_diff(_cpu(*empty), attend(*empty)) <= FP32_TOL
+
+
+@needs_cpu_kernels
+def test_cpu_kernel_rejects_what_it_does_not_take_and_differentiates_by_the_reference():
+  inputs, rng = _inputs(9, 1, 2, 4, 2, 12, 8)
+  q, cache_k, cache_v, k, v = inputs
+  cache_mask, new_mask = _tree_masks(rng, 1, 2, 8)
+  with pytest.raises(ValueError, match="head_dim a multiple of 8"):
+    cpu_attention.cpu_attention(q, cache_k, cache_v, cache_mask, k, v, new_mask)
+  inputs, rng = _inputs(9, 1, 2, 4, 2, 16, 8)
+  q, cache_k, cache_v, k, v = inputs
+  loss = lambda impl: lambda q, k: jnp.sum(jnp.sin(tree_attention(
+      q, cache_k, cache_v, cache_mask, k, v, new_mask, impl=impl)))
+  got = jax.grad(loss("cpu"), argnums=(0, 1))(q, k)
+  want = jax.grad(loss("reference"), argnums=(0, 1))(q, k)
+  for g, w in zip(got, want):
+    assert _max_diff(g, w) <= FP32_TOL

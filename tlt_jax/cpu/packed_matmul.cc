@@ -8,11 +8,9 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <memory>
-#include <thread>
 
+#include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -70,70 +68,41 @@ void panel(const float* x, const float* w, float* y, int64_t m, int64_t k, int64
 
 constexpr int kMaxWeights = 4;  // weights per call (q, k, v; gate, up)
 
-// The panels of all weights, in order, split into chunks that the caller and the pool's
-// threads claim in turn: one call for several weights of one input costs one fork-join
-// (at decode, ~10 us of a 25-100 us matmul). The caller waits only for chunks another
-// thread has claimed (running), never for a task still queued: two calls on a two-thread
-// pool cannot wait on each other.
-struct Job {
-  const float* x;
-  int64_t m, k, weights;
+// x [M, K] and weights [ceil(N_i / 24), K, 24] -> y_i [M, N_i]. The panels of all weights,
+// in order, are shared out among the threads: one call for several weights of one input
+// costs one fork-join (at decode, ~10 us of a 25-100 us matmul).
+ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
+                        ffi::RemainingRets ys) {
+  const int64_t count = static_cast<int64_t>(ws.size());
+  if (count != static_cast<int64_t>(ys.size()) || count < 1 || count > kMaxWeights)
+    return ffi::Error::InvalidArgument("packed_matmul: 1 to 4 weights, one result each");
   const float* w[kMaxWeights];
   float* y[kMaxWeights];
   int64_t n[kMaxWeights];
-  int64_t first[kMaxWeights + 1];  // weight i holds global panels [first[i], first[i + 1])
-  int64_t chunk, chunks;
-  std::atomic<int64_t> next{0}, done{0};
-
-  void work() {
-    for (int64_t c; (c = next.fetch_add(1)) < chunks;) {
-      int64_t i = 0;
-      for (int64_t g = c * chunk, end = std::min(first[weights], g + chunk); g < end; ++g) {
-        while (g >= first[i + 1]) ++i;
-        panel(x, w[i], y[i], m, k, n[i], g - first[i]);
-      }
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
-// x [M, K] and weights [ceil(N_i / 24), K, 24] -> y_i [M, N_i].
-ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
-                        ffi::RemainingRets ys) {
-  if (ws.size() != ys.size() || ws.size() < 1 || ws.size() > kMaxWeights)
-    return ffi::Error::InvalidArgument("packed_matmul: 1 to 4 weights, one result each");
-  auto job = std::make_shared<Job>();
-  job->x = x.typed_data();
-  job->weights = static_cast<int64_t>(ws.size());
-  job->first[0] = 0;
-  for (int64_t i = 0; i < job->weights; ++i) {
-    auto w = ws.get<ffi::BufferR3<ffi::F32>>(i);
-    auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
-    if (!w.has_value() || !y.has_value())
+  int64_t first[kMaxWeights + 1] = {0};  // weight i: global panels [first[i], first[i + 1])
+  const int64_t k = x.dimensions().back();
+  for (int64_t i = 0; i < count; ++i) {
+    auto wi = ws.get<ffi::BufferR3<ffi::F32>>(i);
+    auto yi = ys.get<ffi::Buffer<ffi::F32>>(i);
+    if (!wi.has_value() || !yi.has_value())
       return ffi::Error::InvalidArgument("packed_matmul: weights and results are float32");
-    const auto w_dims = w->dimensions();
-    const int64_t k = w_dims[1], n = (*y)->dimensions().back();
-    if (i == 0) job->k = k;
-    if (w_dims[2] != kPanel || k != job->k || x.dimensions().back() != k ||
-        (n + kPanel - 1) / kPanel != w_dims[0])
+    const auto w_dims = wi->dimensions();
+    n[i] = (*yi)->dimensions().back();
+    if (w_dims[2] != kPanel || w_dims[1] != k || (n[i] + kPanel - 1) / kPanel != w_dims[0])
       return ffi::Error::InvalidArgument("packed_matmul: operand shapes do not match");
-    job->w[i] = w->typed_data();
-    job->y[i] = (*y)->typed_data();
-    job->n[i] = n;
-    job->first[i + 1] = job->first[i] + w_dims[0];
+    w[i] = wi->typed_data();
+    y[i] = (*yi)->typed_data();
+    first[i + 1] = first[i] + w_dims[0];
   }
-  job->m = x.element_count() / job->k;
-  const int64_t panels = job->first[job->weights];
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  // A few chunks per thread even out a thread that starts late.
-  job->chunk = std::max<int64_t>(1, panels / (8 * threads));
-  job->chunks = (panels + job->chunk - 1) / job->chunk;
-  for (int64_t t = 1; t < std::min(threads, job->chunks); ++t)
-    pool.Schedule([job] { job->work(); });
-  job->work();
-  // Yield rather than spin: with more threads than cores (parallel test processes) the
-  // thread we wait for may need this core.
-  while (job->done.load(std::memory_order_acquire) < job->chunks) std::this_thread::yield();
+  const float* xs = x.typed_data();
+  const int64_t m = x.element_count() / k;
+  tlt_cpu::ParallelFor(pool, first[count], 8, [&](int64_t begin, int64_t end) {
+    int64_t i = 0;
+    for (int64_t g = begin; g < end; ++g) {
+      while (g >= first[i + 1]) ++i;
+      panel(xs, w[i], y[i], m, k, n[i], g - first[i]);
+    }
+  });
   return ffi::Error::Success();
 }
 

@@ -1,5 +1,6 @@
 """The attention of every model here, in jnp: new tokens against a read-only KV cache plus
-themselves. The Pallas/Triton kernels are checked against it and differentiate through it.
+themselves. The Pallas/Triton and CPU kernels are checked against it and differentiate
+through it.
 
 q [B, T, H, D]; cache keys/values [B, K, S, D] (heads before slots, the cache's layout);
 new keys/values [B, T, K, D]; cache_mask [B, T, S] and new_mask [B, T, T] bool -> [B, T, H, D]

@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tlt_jax.cpu.packed_matmul import PackedWeight, pack, use_kernel
+from tlt_jax.cpu import kernels as cpu_kernels
+from tlt_jax.cpu.packed_matmul import PackedWeight, pack
 from tlt_jax.data.packing import block_causal_mask
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.dense import dense, dense_shared_input
@@ -75,7 +76,7 @@ def unstack_layers(params: Params, pack_weights: bool | None = None) -> Params:
       raise ValueError("params are in the packed CPU layout; pass them stacked instead")
     return params
   if pack_weights is None:
-    pack_weights = use_kernel(params["embed"].dtype)
+    pack_weights = cpu_kernels.enabled(params["embed"].dtype)
   layers = _split_layers(params["layers"], pack_weights)
   if not pack_weights:
     return {**params, "layers": layers}
@@ -151,7 +152,7 @@ def _layer(config: ModelConfig, inv_freq: np.ndarray, rules: MeshRules | None,
 
   k, v = k.astype(layer_keys.dtype), v.astype(layer_values.dtype)
   attn = tree_attention(q, layer_keys, layer_values, cache_mask, k, v, new_mask,
-                        impl=attention_impl)
+                        impl=attention_impl, sharded=rules is not None)
   x = x + dense(attn.reshape(b, t, config.num_heads * d), layer["wo"])
 
   h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)

@@ -12,6 +12,9 @@ rows are the T new tokens x G heads sharing that kv head, flattened so one matmu
 whole group and each key block is read once; the cache's keys, then the new ones, are
 streamed in blocks through one online softmax in float32. Shapes are padded to powers of
 two (>= 16) where Triton needs them.
+
+`tree_attention` dispatches among the reference, these kernels and the C++ CPU kernel
+(`tlt_jax.cpu.attention`), which takes decode steps and verifications on CPU.
 """
 from __future__ import annotations
 
@@ -22,9 +25,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from tlt_jax.cpu import attention as cpu_attention
+from tlt_jax.cpu import kernels as cpu_kernels
 from tlt_jax.models.attention import MASKED, attend
 
-IMPLS = ("auto", "reference", "pallas", "triton")
+IMPLS = ("auto", "reference", "pallas", "triton", "cpu")
 MIN_TRITON_DIM = 16  # tl.dot needs every matmul dimension >= 16
 
 
@@ -172,20 +177,33 @@ def tree_attention_pallas(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
   return ungroup_query_rows(out, t, h, d)
 
 
-def resolve_impl(impl: str, backend: str | None = None) -> str:
-  """'auto' -> the compiled kernel on GPU, the jnp reference elsewhere."""
+def resolve_impl(impl: str, backend: str | None = None, sharded: bool = False) -> str:
+  """'auto' -> the compiled kernel on GPU; on CPU the C++ kernel (`tlt_jax.cpu.attention`)
+  where the CPU kernels run and the operands are not sharded (it sees one device's
+  buffers), else the jnp reference."""
   if impl not in IMPLS:
     raise ValueError(f"tree attention impl must be one of {', '.join(IMPLS)}; got {impl!r}")
   if impl != "auto":
     return impl
-  return "pallas" if (backend or jax.default_backend()) == "gpu" else "reference"
+  backend = backend or jax.default_backend()
+  if backend == "gpu":
+    return "pallas"
+  if backend == "cpu" and not sharded and cpu_kernels.enabled(jnp.float32):
+    return "cpu"
+  return "reference"
 
 
 def tree_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
                    cache_mask: jax.Array, k: jax.Array, v: jax.Array, new_mask: jax.Array, *,
-                   impl: str = "auto", interpret: bool | None = None) -> jax.Array:
-  """`attend` by an implementation; interpret=None interprets Pallas off-GPU only."""
-  chosen = resolve_impl(impl)
+                   impl: str = "auto", interpret: bool | None = None,
+                   sharded: bool = False) -> jax.Array:
+  """`attend` by an implementation; interpret=None interprets Pallas off-GPU only. The CPU
+  kernel leaves a prefill (over MAX_NEW_TOKENS new tokens) to the reference, and under
+  'auto' also operands it does not take (bfloat16)."""
+  chosen = resolve_impl(impl, sharded=sharded)
+  if chosen == "cpu" and (q.shape[1] > cpu_attention.MAX_NEW_TOKENS or (
+      impl == "auto" and not cpu_attention.supports(q, cache_k, cache_v, k, v))):
+    chosen = "reference"
   if chosen == "reference":
     return attend(q, cache_k, cache_v, cache_mask, k, v, new_mask)
   if interpret is None:
@@ -199,6 +217,8 @@ def _kernel_with_reference_vjp(q, cache_k, cache_v, cache_mask, k, v, new_mask, 
                                interpret: bool) -> jax.Array:
   """A kernel forward; its backward is the reference's (`pallas_call` has no transpose
   rule, so a loss through the kernel, such as the drafter's, could not be differentiated)."""
+  if impl == "cpu":
+    return cpu_attention.cpu_attention(q, cache_k, cache_v, cache_mask, k, v, new_mask)
   if impl == "triton":
     from tlt_jax.pallas.tree_attention_triton import tree_attention_triton
     return tree_attention_triton(q, cache_k, cache_v, cache_mask, k, v, new_mask)

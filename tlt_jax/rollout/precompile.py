@@ -24,7 +24,7 @@ from tlt_jax.rollout.buckets import BucketSpec
 from tlt_jax.rollout.engine import (SpecConfig, check_attention_impl, chunk_reach,
                                     compiled_programs, draft_groups, draft_pool,
                                     place_rollout, plan_rollout, switch_to_speculation,
-                                    take_rows)
+                                    take_rows, windowed_attention)
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.sharding.rules import MeshRules
 
@@ -63,7 +63,8 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
   windows = lambda spec_or_none: [
       None if w == plan.cache_len else w
       for w in buckets.attention_windows(chunk_reach(1, chunk_steps, spec_or_none),
-                                         plan.cache_len)]
+                                         plan.cache_len)
+  ] if windowed_attention(attention_impl, rules) else [None]
 
   fresh_state = lambda: decode.empty_state(
       init_cache(config, start, plan.cache_len, dtype, rules, per_layer=True),
