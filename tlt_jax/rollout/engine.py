@@ -527,6 +527,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
   strategy_chunks = collections.Counter()
   played = None   # (live rows, strategy, start time, programs) of the SD chunk in flight
   head, context_sizes = None, None
+  windowed = windowed_attention(attention_impl, rules)
   while True:
     base = _base(state)
     done = np.asarray(base.done)
@@ -579,7 +580,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
     chunk_start_generated = generated
     speculating = isinstance(state, speculative.SpecState)
     window = chunk_window(longest_live, chunk_steps, spec if speculating else None, plan,
-                          buckets, windowed_attention(attention_impl, rules))
+                          buckets, windowed)
     if speculating:
       strategy = spec.strategy if spec.bandit is None else spec.bandit.choose(live_rows)
       if spec.bandit is not None:
