@@ -18,9 +18,11 @@ import pytest
 
 from tlt_jax.cpu import attention as cpu_attention
 from tlt_jax.cpu import kernels as cpu_kernels
+from tlt_jax.cpu import self_attention as cpu_self_attention
 from tlt_jax.models import transformer
 from tlt_jax.models.attention import attend
 from tlt_jax.models.config import ModelConfig
+from tlt_jax.data.packing import block_causal_mask
 from tlt_jax.models.kv_cache import init_cache
 from tlt_jax.pallas.tree_attention import resolve_impl, tree_attention, tree_attention_pallas
 
@@ -323,3 +325,66 @@ def test_cpu_kernel_rejects_what_it_does_not_take_and_differentiates_by_the_refe
   want = jax.grad(loss("reference"), argnums=(0, 1))(q, k)
   for g, w in zip(got, want):
     assert _max_diff(g, w) <= FP32_TOL
+
+
+def _self_attention_reference(q, k, v, mask):
+  b, t, _, d = q.shape
+  empty = jnp.zeros((b, k.shape[2], 0, d), q.dtype)
+  return attend(q, empty, empty, jnp.zeros((b, t, 0), bool), k, v, mask)
+
+
+def _packed_segments(rng, batch, t):
+  """Segment ids of packed rows: samples of random lengths, padding (0) at the end."""
+  segments = np.zeros((batch, t), np.int32)
+  for row in range(batch):
+    start, sample = 0, 1
+    while start < t - 8:
+      length = int(rng.integers(4, t // 2))
+      segments[row, start:start + length] = sample
+      start, sample = start + length, sample + 1
+  return segments
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("case", [(2, 96, 9, 3, 64), (1, 80, 4, 4, 16), (2, 70, 14, 2, 32)],
+                         ids=["g3-d64", "g1-d16", "g7-d32"])
+def test_cpu_self_attention_and_its_gradients_match_reference(case):
+  """The trainer's attention (no cache, T > MAX_NEW_TOKENS): block-causal masks of packed
+  rows, plus a query that sees nothing (every value averaged) and a key outside its own
+  segment's range; GQA groups 1, 3 and 7 (two passes of at most four heads)."""
+  batch, t, heads, kv_heads, dim = case
+  inputs, rng = _inputs(sum(case), batch, t, heads, kv_heads, dim, 0)
+  q, _, _, k, v = inputs
+  mask = np.array(block_causal_mask(_packed_segments(rng, batch, t)))
+  mask[0, 5] = False
+  mask[-1, t - 1, 0] = True
+  mask = jnp.asarray(mask)
+  got = jax.jit(cpu_self_attention.self_attention)(q, k, v, mask)
+  assert _max_diff(got, _self_attention_reference(q, k, v, mask)) <= FP32_TOL
+  cotangent = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+  loss = lambda fn: lambda q, k, v: jnp.sum(fn(q, k, v, mask) * cotangent)
+  got = jax.jit(jax.grad(loss(cpu_self_attention.self_attention), argnums=(0, 1, 2)))(q, k, v)
+  want = jax.grad(loss(_self_attention_reference), argnums=(0, 1, 2))(q, k, v)
+  for g, w in zip(got, want):
+    assert _max_diff(g, w) <= 1e-4 * max(1.0, float(jnp.max(jnp.abs(w))))
+
+
+@needs_cpu_kernels
+def test_cpu_self_attention_dispatch_and_what_it_rejects():
+  """tree_attention sends cacheless rows over MAX_NEW_TOKENS to the kernel on CPU, rows
+  with a cache (a prefill) and head dims it does not take to the reference."""
+  t = cpu_attention.MAX_NEW_TOKENS + 8
+  inputs, rng = _inputs(3, 1, t, 4, 2, 16, 0)
+  q, cache_k, cache_v, k, v = inputs
+  mask = transformer.causal_mask(1, t)
+  cache_mask = jnp.zeros((1, t, 0), bool)
+  traced = lambda *args: str(jax.make_jaxpr(
+      lambda *a: tree_attention(*a, impl="cpu"))(*args))
+  assert "tlt_self_attention_forward" in traced(q, cache_k, cache_v, cache_mask, k, v, mask)
+  with_cache = _inputs(3, 1, t, 4, 2, 16, 4)[0]
+  assert "tlt_self_attention" not in traced(*with_cache[:3], jnp.ones((1, t, 4), bool),
+                                            *with_cache[3:], mask)
+  odd = _inputs(3, 1, t, 4, 2, 24, 0)[0]
+  assert "tlt_self_attention" not in traced(*odd[:3], cache_mask, *odd[3:], mask)
+  with pytest.raises(ValueError, match="head_dim a multiple of 16"):
+    cpu_self_attention.self_attention(odd[0], odd[3], odd[4], mask)

@@ -35,8 +35,8 @@ from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.dense import dense, dense_shared_input
 from tlt_jax.models.kv_cache import KVCache, init_cache, layer_buffer
 from tlt_jax.models.rope import apply_rope, inverse_frequencies
-from tlt_jax.pallas.tree_attention import tree_attention
-from tlt_jax.sharding.rules import MeshRules, constrain
+from tlt_jax.pallas.tree_attention import resolve_impl, tree_attention
+from tlt_jax.sharding.rules import MeshRules, constrain, spans_devices
 
 Params = dict
 
@@ -152,7 +152,7 @@ def _layer(config: ModelConfig, inv_freq: np.ndarray, rules: MeshRules | None,
 
   k, v = k.astype(layer_keys.dtype), v.astype(layer_values.dtype)
   attn = tree_attention(q, layer_keys, layer_values, cache_mask, k, v, new_mask,
-                        impl=attention_impl, sharded=rules is not None)
+                        impl=attention_impl, sharded=spans_devices(rules))
   x = x + dense(attn.reshape(b, t, config.num_heads * d), layer["wo"])
 
   h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
@@ -231,12 +231,14 @@ def forward_packed(params: Params, config: ModelConfig, tokens: jax.Array,
   sees only its own earlier tokens, positions restart per sample.
 
   The rows attend among themselves alone: an empty cache has no slots to score or write.
-  The attention is the jnp one: training differentiates through it, kernels have no VJP."""
+  On CPU the self-attention kernel takes them (it has a backward pass of its own); on other
+  backends the jnp attention, which training differentiates through."""
   empty = init_cache(config, tokens.shape[0], 0, params["embed"].dtype)
   x = constrain(embed_tokens(params, tokens), ("batch", None, "act_embed"), rules)
+  impl = "auto" if resolve_impl("auto", sharded=spans_devices(rules)) == "cpu" else "reference"
   x, _, _ = run_layers_new_kv(params["layers"], config, x, positions, empty,
                               block_causal_mask(segment_ids), rules,
-                              attention_impl="reference", remat=remat)
+                              attention_impl=impl, remat=remat)
   return rms_norm(x, params["final_norm"], config.rms_norm_eps)
 
 

@@ -27,6 +27,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from tlt_jax.cpu import attention as cpu_attention
 from tlt_jax.cpu import kernels as cpu_kernels
+from tlt_jax.cpu import self_attention as cpu_self_attention
 from tlt_jax.models.attention import MASKED, attend
 
 IMPLS = ("auto", "reference", "pallas", "triton", "cpu")
@@ -197,10 +198,14 @@ def tree_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
                    cache_mask: jax.Array, k: jax.Array, v: jax.Array, new_mask: jax.Array, *,
                    impl: str = "auto", interpret: bool | None = None,
                    sharded: bool = False) -> jax.Array:
-  """`attend` by an implementation; interpret=None interprets Pallas off-GPU only. The CPU
-  kernel leaves a prefill (over MAX_NEW_TOKENS new tokens) to the reference, and under
-  'auto' also operands it does not take (bfloat16)."""
+  """`attend` by an implementation; interpret=None interprets Pallas off-GPU only. On CPU,
+  over MAX_NEW_TOKENS new tokens without a cache (the trainer's packed rows) take the
+  self-attention kernel, which has its own backward pass; with a cache (a prefill) they
+  take the reference; under 'auto', operands a kernel does not take (bfloat16) do too."""
   chosen = resolve_impl(impl, sharded=sharded)
+  if (chosen == "cpu" and q.shape[1] > cpu_attention.MAX_NEW_TOKENS and cache_k.shape[2] == 0
+      and cpu_self_attention.supports(q, k, v)):
+    return cpu_self_attention.self_attention(q, k, v, new_mask)
   if chosen == "cpu" and (q.shape[1] > cpu_attention.MAX_NEW_TOKENS or (
       impl == "auto" and not cpu_attention.supports(q, cache_k, cache_v, k, v))):
     chosen = "reference"

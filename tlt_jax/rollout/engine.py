@@ -23,6 +23,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 import numpy as np
 
 from tlt_jax.compiles import CompileCounter
@@ -38,7 +39,7 @@ from tlt_jax.rollout.bandit import StrategyBandit
 from tlt_jax.rollout.buckets import BucketSpec
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.strategy import DRAFTER_KINDS, SpecStrategy
-from tlt_jax.sharding.rules import MeshRules, param_logical_axes, place
+from tlt_jax.sharding.rules import MeshRules, param_logical_axes, place, spans_devices
 
 
 MAX_SD_THRESHOLD = 256   # the largest batch bucket: SD above it never pays
@@ -384,7 +385,7 @@ def windowed_attention(attention_impl: str, rules: MeshRules | None) -> bool:
   """Whether chunks attend over a window of the cache (copied out and back per chunk). The
   CPU attention kernel reads only the slots a query sees, where a window only adds the
   copies (SmolLM2, batch 8: ~2 ms a step)."""
-  return resolve_impl(attention_impl, sharded=rules is not None) != "cpu"
+  return resolve_impl(attention_impl, sharded=spans_devices(rules)) != "cpu"
 
 
 def chunk_window(longest_live: int, chunk_steps: int, spec: SpecConfig | None,
@@ -468,9 +469,15 @@ def place_rollout(params: Params, config: ModelConfig, spec: SpecConfig | None,
   """The params in the rollout's layout (`unstack_layers`), and the drafter, laid out on the
   replica's mesh by the rules (tensor-parallel over heads, batch over the data axis); the
   same rules place every cache and constrain every activation of the rollout's programs."""
-  # The CPU kernel's packed weights run on one device: a sharded replica keeps plain ones.
-  params = unstack_layers(params, pack_weights=None if rules is None else False)
-  params = place(params, param_logical_axes(config, per_layer=True), rules)
+  # The CPU kernels' packed weights are one device's buffers: they run without a mesh or on
+  # a one-device one (the CPU trainer's), where every array is whole; a replica split over
+  # devices keeps plain weights.
+  one_device = not spans_devices(rules)
+  params = unstack_layers(params, pack_weights=None if one_device else False)
+  if one_device and rules is not None:
+    params = jax.device_put(params, NamedSharding(rules.mesh, PartitionSpec()))
+  else:
+    params = place(params, param_logical_axes(config, per_layer=True), rules)
   if spec is None or rules is None or spec.drafter is None:
     return params, spec
   vocab_ids = None if spec.vocab_ids is None else place(spec.vocab_ids, (None,), rules)

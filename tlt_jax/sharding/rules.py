@@ -55,6 +55,12 @@ class MeshRules:
     return NamedSharding(self.mesh, self.spec(logical_axes, shape))
 
 
+def spans_devices(rules: MeshRules | None) -> bool:
+  """Whether arrays laid out by `rules` may be split over several devices. A one-device
+  mesh (the CPU trainer's) splits nothing: kernels that see one device's buffers run."""
+  return rules is not None and rules.mesh.size > 1
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[str | None], rules: MeshRules | None):
   """Sharding hint for an activation inside a jitted function; a no-op without a mesh."""
   if rules is None:
