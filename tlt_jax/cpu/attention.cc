@@ -11,11 +11,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <initializer_list>
 #include <limits>
 #include <vector>
 
 #include "avx_math.h"
+#include "ffi_shapes.h"
 #include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -23,6 +23,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using tlt_cpu::Dims;
 using tlt_cpu::Exp;
 using tlt_cpu::Sum;
 
@@ -136,10 +137,6 @@ struct Attention {
     }
   }
 };
-
-bool Dims(ffi::Span<const int64_t> dims, std::initializer_list<int64_t> want) {
-  return dims.size() == want.size() && std::equal(want.begin(), want.end(), dims.begin());
-}
 
 ffi::Error Attend(ffi::ThreadPool pool, ffi::BufferR4<ffi::F32> q,
                   ffi::BufferR4<ffi::F32> cache_k, ffi::BufferR4<ffi::F32> cache_v,

@@ -16,11 +16,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <initializer_list>
 #include <limits>
 #include <vector>
 
 #include "avx_math.h"
+#include "ffi_shapes.h"
 #include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -28,6 +28,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using tlt_cpu::Dims;
 using tlt_cpu::Exp;
 using tlt_cpu::Sum;
 
@@ -135,13 +136,14 @@ struct SelfAttention {
     while (*hi >= *lo && !m[*hi]) --*hi;
   }
 
-  // Kv head j of batch row `row`: its keys or values as rows [T, D] and columns [D, stride].
+  // Kv head j of batch row `row`: its keys or values as rows [T, D] and/or columns
+  // [D, stride] (either may be null).
   void Copy(const float* x, int64_t row, int64_t j, float* rows, float* cols) const {
     const int64_t s = stride();
     if (cols) std::fill(cols, cols + d * s, 0.0f);
     for (int64_t l = 0; l < t; ++l) {
       const float* src = x + ((row * t + l) * kh + j) * d;
-      std::copy(src, src + d, rows + l * d);
+      if (rows) std::copy(src, src + d, rows + l * d);
       if (cols)
         for (int64_t c = 0; c < d; ++c) cols[c * s + l] = src[c];
     }
@@ -181,8 +183,8 @@ struct SelfAttention {
 
   void Forward(int64_t row, int64_t j, float* out, float* lse) const {
     const int64_t g_all = groups(), s = stride();
-    std::vector<float> key_rows(t * d), key_cols(d * s), value_rows(t * d);
-    Copy(k, row, j, key_rows.data(), key_cols.data());
+    std::vector<float> key_cols(d * s), value_rows(t * d);
+    Copy(k, row, j, nullptr, key_cols.data());
     Copy(v, row, j, value_rows.data(), nullptr);
     std::vector<float> buf(kMaxHeads * s);
     for (int64_t token = 0; token < t; ++token) {
@@ -278,10 +280,6 @@ struct SelfAttention {
     }
   }
 };
-
-bool Dims(ffi::Span<const int64_t> dims, std::initializer_list<int64_t> want) {
-  return dims.size() == want.size() && std::equal(want.begin(), want.end(), dims.begin());
-}
 
 ffi::Error Check(const SelfAttention& a, ffi::Span<const int64_t> k_dims,
                  ffi::Span<const int64_t> v_dims, ffi::Span<const int64_t> mask_dims) {
