@@ -28,12 +28,20 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
   return inv_freq.astype(np.float32)
 
 
-def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, inv_freq: np.ndarray) -> jnp.ndarray:
-  """Rotates x [..., T, heads, head_dim] by positions [..., T]; math in float32."""
-  angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [..., T, D/2]
-  cos = jnp.cos(angles)[..., None, :]
-  sin = jnp.sin(angles)[..., None, :]
-  x32 = x.astype(jnp.float32)
-  x1, x2 = jnp.split(x32, 2, axis=-1)
+def rope_tables(positions: jnp.ndarray, inv_freq: np.ndarray
+                ) -> tuple[jnp.ndarray, jnp.ndarray]:
+  """(cos, sin) [..., T, 1, head_dim // 2] of positions [..., T], float32.
+
+  Computed once per forward and shared by every layer and head: inside a layer, XLA's CPU
+  fusions evaluated the cosine and sine again for each head of each layer (on a SmolLM2
+  training micro-batch that made RoPE cost as much as a small matmul)."""
+  angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+  return jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]
+
+
+def apply_rope(x: jnp.ndarray, tables: tuple[jnp.ndarray, jnp.ndarray]) -> jnp.ndarray:
+  """Rotates x [..., T, heads, head_dim] by `rope_tables`; math in float32."""
+  cos, sin = tables
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x.dtype)

@@ -26,7 +26,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from tlt_jax.cpu import kernels as cpu_kernels
 from tlt_jax.cpu.packed_matmul import PackedWeight, pack
@@ -34,7 +33,7 @@ from tlt_jax.data.packing import block_causal_mask
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.dense import dense, dense_shared_input
 from tlt_jax.models.kv_cache import KVCache, init_cache, layer_buffer
-from tlt_jax.models.rope import apply_rope, inverse_frequencies
+from tlt_jax.models.rope import apply_rope, inverse_frequencies, rope_tables
 from tlt_jax.pallas.tree_attention import resolve_impl, tree_attention
 from tlt_jax.sharding.rules import MeshRules, constrain, spans_devices
 
@@ -130,9 +129,8 @@ def prefix_mask(cache_lengths: jax.Array, num_new: int, max_len: int) -> jax.Arr
   return jnp.broadcast_to(visible[:, None, :], (cache_lengths.shape[0], num_new, max_len))
 
 
-def _layer(config: ModelConfig, inv_freq: np.ndarray, rules: MeshRules | None,
-           attention_impl: str, x, layer, layer_keys, layer_values, positions, cache_mask,
-           new_mask):
+def _layer(config: ModelConfig, rules: MeshRules | None, attention_impl: str, x, layer,
+           layer_keys, layer_values, rope, cache_mask, new_mask):
   """One decoder layer. layer_keys/values [B, K, S, D] are this layer's cache, read-only:
   the new K/V are returned and written into the cache once, after all layers."""
   b, t, _ = x.shape
@@ -148,7 +146,7 @@ def _layer(config: ModelConfig, inv_freq: np.ndarray, rules: MeshRules | None,
   if config.qk_norm:
     q = rms_norm(q, layer["q_norm"], config.rms_norm_eps)
     k = rms_norm(k, layer["k_norm"], config.rms_norm_eps)
-  q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+  q, k = apply_rope(q, rope), apply_rope(k, rope)
 
   k, v = k.astype(layer_keys.dtype), v.astype(layer_values.dtype)
   attn = tree_attention(q, layer_keys, layer_values, cache_mask, k, v, new_mask,
@@ -183,12 +181,12 @@ def run_layers_new_kv(layers: Params, config: ModelConfig, x: jax.Array, positio
   new_mask = causal_mask(b, t) if new_mask is None else new_mask
   if cache_mask is None:
     cache_mask = prefix_mask(cache.lengths, t, cache.max_len)
-  inv_freq = inverse_frequencies(config.rope, config.head_dim)
+  rope = rope_tables(positions, inverse_frequencies(config.rope, config.head_dim))
 
   def body(x, scanned):
     layer, layer_keys, layer_values = scanned
-    x, k, v = _layer(config, inv_freq, rules, attention_impl, x, layer, layer_keys,
-                     layer_values, positions, cache_mask, new_mask)
+    x, k, v = _layer(config, rules, attention_impl, x, layer, layer_keys, layer_values, rope,
+                     cache_mask, new_mask)
     return x, (k, v)
 
   if not isinstance(layers, tuple):
