@@ -401,6 +401,49 @@ def test_logprob_and_entropy_gradient_matches_autodiff(temperature):
                              jax.grad(objective(autodiff))(logits), atol=1e-5)
 
 
+@pytest.mark.skipif(__import__("tlt_jax.cpu.kernels").cpu.kernels.build_problem() is not None,
+                    reason="the CPU kernels do not build here (no AVX2/FMA or no g++)")
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_cpu_token_logprobs_kernel_matches_reference(temperature):
+  """The LM head's CPU kernel equals `logprob_and_entropy` in value and VJP: a vocabulary
+  that is not a multiple of the vector width, peaked and flat rows, tokens at both ends;
+  and the trainer's `token_logprobs` calls it on CPU."""
+  from tlt_jax.cpu.token_logprobs import token_logprobs as cpu_token_logprobs
+  from tlt_jax.rl.logprobs import logprob_and_entropy
+  from tlt_jax.rollout.sampling import SamplingParams
+  sampling = SamplingParams(temperature)
+  k, v = 9, 1003
+  logits = np.array(jax.random.normal(jax.random.key(2), (k, v)) * 4)
+  logits[0, 17] = 60.0   # nearly one-hot: entropy ~0
+  logits[1] = 0.25       # flat: entropy log V
+  logits = jnp.asarray(logits)
+  tokens = jnp.array([17, 0, v - 1, 5, 1000, 999, 3, 500, 2])
+  w_logp, w_entropy = jax.random.normal(jax.random.key(3), (2, k))
+  kernel = lambda z: cpu_token_logprobs(z, tokens, sampling.logprob_temperature)
+  reference = lambda z: logprob_and_entropy(z, tokens, sampling)
+  for got, want in zip(jax.jit(kernel)(logits), reference(logits)):
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-5)
+  assert float(kernel(logits)[1][1]) == pytest.approx(math.log(v), rel=1e-6)
+
+  def objective(fn):
+    return lambda z: jnp.sum(fn(z)[0] * w_logp) + jnp.sum(fn(z)[1] * w_entropy)
+
+  got, want = jax.jit(jax.grad(objective(kernel)))(logits), jax.grad(objective(reference))(logits)
+  np.testing.assert_allclose(got, want, atol=2e-6 * float(jnp.max(jnp.abs(want))))
+
+  from tlt_jax.models import transformer
+  from tlt_jax.models.config import ModelConfig
+  from tlt_jax.rl.batching import Sequences, micro_batches, pack
+  from tlt_jax.rl.logprobs import token_logprobs
+  config = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
+                       num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
+  sequences = Sequences([[1, 2, 3]], [[4, 5]])
+  rows = next(micro_batches(pack(sequences, [0], 8), sequences, 1, {}, {}))
+  params = jax.eval_shape(lambda: transformer.init_params(config, jax.random.key(0)))
+  jaxpr = jax.make_jaxpr(lambda p: token_logprobs(p, config, rows, sampling))(params)
+  assert "tlt_token_logprobs_forward" in str(jaxpr)
+
+
 def test_micro_batch_shapes_are_the_precompiled_ones():
   """Every micro-batch of any step has one of `possible_shapes` (what --precompile builds),
   and all of them turn up."""

@@ -11,11 +11,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from tlt_jax.cpu import kernels
+from tlt_jax.cpu.token_logprobs import token_logprobs as cpu_token_logprobs
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.transformer import Params, forward_packed, lm_logits
 from tlt_jax.rl.batching import TrainRows
 from tlt_jax.rollout.sampling import SamplingParams, policy_logprobs
-from tlt_jax.sharding.rules import MeshRules
+from tlt_jax.sharding.rules import MeshRules, spans_devices
 
 
 def token_logprobs(params: Params, config: ModelConfig, rows: TrainRows,
@@ -30,8 +32,11 @@ def token_logprobs(params: Params, config: ModelConfig, rows: TrainRows,
   slots = rows.scored_slots
   take = lambda x: jnp.take(x.reshape(r * t, *x.shape[2:]), slots, axis=0, mode="clip")
   next_tokens = take(jnp.pad(rows.tokens[:, 1:], ((0, 0), (0, 1))))
-  logp, entropy = logprob_and_entropy(lm_logits(params, config, take(hidden), rules),
-                                      next_tokens, sampling)
+  logits = lm_logits(params, config, take(hidden), rules)
+  if kernels.enabled(logits.dtype) and not spans_devices(rules):
+    logp, entropy = cpu_token_logprobs(logits, next_tokens, sampling.logprob_temperature)
+  else:
+    logp, entropy = logprob_and_entropy(logits, next_tokens, sampling)
   # Padding entries point past the last slot: the gather clamps them, the scatter drops them.
   scatter = lambda x: jnp.zeros((r * t,), x.dtype).at[slots].set(x, mode="drop").reshape(r, t)
   return scatter(logp), scatter(entropy)
@@ -40,7 +45,8 @@ def token_logprobs(params: Params, config: ModelConfig, rows: TrainRows,
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def logprob_and_entropy(logits: jax.Array, tokens: jax.Array, sampling: SamplingParams
                         ) -> tuple[jax.Array, jax.Array]:
-  """(log-prob of `tokens` [K], entropy [K]) under `policy_logprobs(logits [K, V])`.
+  """(log-prob of `tokens` [K], entropy [K]) under `policy_logprobs(logits [K, V])`; the
+  reference of the CPU kernel `tlt_jax.cpu.token_logprobs`.
 
   Its gradient keeps one [K, V] residual (the log-probs) and forms d/dlogits in one pass;
   autodiff through log-softmax, exp and the gather kept several [K, V] buffers, the
