@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from tlt_jax.cpu import kernels
 
 _FORWARD, _BACKWARD = "tlt_self_attention_forward", "tlt_self_attention_backward"
 HEAD_DIM_MULTIPLE = 16   # self_attention.cc's vector pairs
+RESIDUALS = "cpu_self_attention_residuals"
 
 
 def supports(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
@@ -44,7 +46,9 @@ def _forward(q, k, v, mask):
 
 
 def _vjp_forward(q, k, v, mask):
-  out, lse = _forward(q, k, v, mask)
+  # Named so a checkpoint policy can keep them (`RESIDUALS`) rather than rerun the forward
+  # in the backward pass.
+  out, lse = (checkpoint_name(x, RESIDUALS) for x in _forward(q, k, v, mask))
   return out, (q, k, v, mask, out, lse)
 
 

@@ -1,12 +1,11 @@
 """`x @ w` for the model's weight matrices, with a backward pass laid out for the CPU.
 
-Autodiff turns `x @ w` into a backward `g @ w.T` that XLA's CPU backend emits as a dot
-contracting the weight's last dimension, which its dot library runs at about half the
-speed of a plain one (measured on SmolLM2's layer shapes: the layers' fwd+bwd went from
-~70 to ~97 GFLOP/s against ~110 for a lone matmul). Here the backward transposes the
-weight into a copy of its own first (kept by an optimization barrier, or the simplifier
-folds it straight back), so both backward dots are plain. Other backends get autodiff's
-own backward: their dot libraries take transposed operands at full speed.
+On XLA's CPU backend, autodiff's backward of `x [..., in] @ w` ran a SmolLM2 training
+micro-batch 1.28x slower than the one here (jax 0.10.2, paired A/B), which flattens x and
+the cotangent to [N, in] and [N, out] so the weight gradient is one plain product over N.
+The input gradient contracts the weight's last dimension in place: copying the weight
+transposed first (what an older XLA's dot library needed to run it at full speed) now cost
+~2% of a micro-batch. Other backends get autodiff's own backward.
 """
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ def _dense_fwd(x, w):
 
 def _dense_bwd(residuals, g):
   x, w = residuals
-  w_t = jax.lax.optimization_barrier(w.T)
-  dx = (g @ w_t).astype(x.dtype)
+  dx = jax.lax.dot_general(g, w, (((g.ndim - 1,), (1,)), ((), ()))).astype(x.dtype)
   flat_x, flat_g = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
   dw = jax.lax.dot_general(flat_x, flat_g, (((0,), (0,)), ((), ()))).astype(w.dtype)
   return dx, dw

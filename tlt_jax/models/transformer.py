@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from tlt_jax.cpu import kernels as cpu_kernels
+from tlt_jax.cpu import self_attention as cpu_self_attention
 from tlt_jax.cpu.packed_matmul import PackedWeight, pack
 from tlt_jax.data.packing import block_causal_mask
 from tlt_jax.models.config import ModelConfig
@@ -197,7 +198,12 @@ def run_layers_new_kv(layers: Params, config: ModelConfig, x: jax.Array, positio
     # On a SmolLM2 micro-batch (4 x 256) the attention scores alone would be 1.1 GB per
     # pass to write, zero and read back: keeping them too took 1.81 GiB of temporaries and
     # 8% more time than this (1.42 GiB); keeping everything, 2.37 GiB. remat keeps nothing.
-    policy = None if remat else jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    # The CPU self-attention kernel's output and log-sum-exp are kept too (2.3 MiB a layer
+    # for 2 x 512 slots): its backward needs them, and rerunning its forward cost ~4%.
+    policies = jax.checkpoint_policies
+    policy = None if remat else policies.save_from_both_policies(
+        policies.dots_with_no_batch_dims_saveable,
+        policies.save_only_these_names(cpu_self_attention.RESIDUALS))
     x, (new_k, new_v) = jax.lax.scan(jax.checkpoint(body, policy=policy), x,
                                      (layers, cache.k, cache.v))
     return x, new_k, new_v
