@@ -113,7 +113,7 @@ def test_modes(tmp_path):
 def test_a_failed_build_warns_in_auto_mode_and_fails_in_kernel_mode(tmp_path):
   auto = _use_kernel_in_subprocess(tmp_path, CXX="false")
   assert "use_kernel False False" in auto.stdout, auto.stderr[-2000:]
-  assert "the rollout uses XLA's own ops" in auto.stderr
+  assert "XLA's own ops run, not the CPU kernels" in auto.stderr
   strict = _use_kernel_in_subprocess(tmp_path, CXX="false", TLT_JAX_CPU_KERNELS="kernel")
   assert strict.returncode != 0
   assert "TLT_JAX_CPU_KERNELS=kernel: " in strict.stderr

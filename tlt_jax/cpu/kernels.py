@@ -1,6 +1,7 @@
-"""The rollout's C++ kernels for x86 CPUs (AVX2, FMA), called through XLA's FFI: every
-`*.cc` here is compiled with g++ on first use into one shared library, cached per source
-and jaxlib. Each kernel sits beside its jnp reference (packed_matmul.py, attention.py).
+"""The C++ kernels for x86 CPUs (AVX2, FMA), called through XLA's FFI: every `*.cc` here
+is compiled with g++ on first use into one shared library, cached per source and jaxlib.
+Each kernel sits beside its jnp reference (packed_matmul.py, attention.py,
+self_attention.py, token_logprobs.py).
 
 TLT_JAX_CPU_KERNELS picks the path: `auto` (the kernels where they build, else XLA's own
 ops with one warning saying why), `kernel` (an error where they do not build) or `xla`.
@@ -24,8 +25,8 @@ _DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def enabled(dtype) -> bool:
-  """Whether the rollout runs these kernels for this dtype: float32 on the CPU backend, with
-  the library built (TLT_JAX_CPU_KERNELS)."""
+  """Whether these kernels run for this dtype: float32 on the CPU backend, with the library
+  built (TLT_JAX_CPU_KERNELS)."""
   mode = os.environ.get(ENV, "auto")
   if mode not in MODES:
     raise ValueError(f"{ENV}={mode!r}: must be one of {', '.join(MODES)}")
@@ -49,7 +50,7 @@ def register(target: str, symbol: str) -> None:
 
 @functools.cache
 def _warn_once(problem: str) -> None:
-  logging.warning("tlt_jax: the rollout uses XLA's own ops, not its CPU kernels (%s=xla to "
+  logging.warning("tlt_jax: XLA's own ops run, not the CPU kernels (%s=xla to "
                   "silence): %s", ENV, problem)
 
 
