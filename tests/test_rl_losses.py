@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tlt_jax.cpu import kernels as cpu_kernels
 from tlt_jax.errors import UserInputError
 from tlt_jax.rl.advantages import (GroupFill, group_advantages, informative_groups,
                                    overlong_penalty)
@@ -401,7 +402,7 @@ def test_logprob_and_entropy_gradient_matches_autodiff(temperature):
                              jax.grad(objective(autodiff))(logits), atol=1e-5)
 
 
-@pytest.mark.skipif(__import__("tlt_jax.cpu.kernels").cpu.kernels.build_problem() is not None,
+@pytest.mark.skipif(cpu_kernels.build_problem() is not None,
                     reason="the CPU kernels do not build here (no AVX2/FMA or no g++)")
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_cpu_token_logprobs_kernel_matches_reference(temperature):
