@@ -20,6 +20,7 @@ accept length, and the median over rounds of its tokens/s over plain's in the sa
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
@@ -51,6 +52,8 @@ _PRECOMPILE = flags.DEFINE_bool("precompile", True, "Compile every variant's pro
                                 "timing, so that no timed run compiles.")
 _OUTPUT = flags.DEFINE_string("output", None, "Also write the JSON here.")
 _SEED = flags.DEFINE_integer("seed", 12345, "Prompt seed (held out from drafter training).")
+_PROMPTS = flags.DEFINE_integer("prompts", None, "Prompts (groups); default enough for the "
+                                "largest batch, at least 1.", lower_bound=1)
 
 _TASKS = ["gsm_symbolic", "basic_arithmetic", "chain_sum"]
 VARIANTS = ("plain", "learned", "ngram_prompt", "ngram_siblings", "ngram_epoch", "hybrid",
@@ -130,7 +133,10 @@ def main(argv):
   drafter, vocab_ids = load_drafter(_DRAFTER.value, model.config)
   vocab_ids = None if vocab_ids is None else jnp.asarray(vocab_ids)
   eos = tuple(tokenizer.eos_token_ids)
-  num_prompts = max(1, max(batches) // group)
+  num_prompts = _PROMPTS.value or max(1, max(batches) // group)
+  if group * num_prompts < max(batches):
+    raise UserInputError(f"--prompts={num_prompts}: {group * num_prompts} rows, fewer than "
+                         f"--batches={max(batches)}")
   prompts = [tokenizer.chat_prompt(q)
              for _, q in build_questions(_TASKS, num_prompts, _SEED.value)]
   ngram_config = NgramConfig(max_ngram=_MAX_NGRAM.value)
@@ -200,6 +206,10 @@ def main(argv):
     epoch = epoch["responses"]
     for batch in batches:
       log(f"T={temperature} batch={batch}")
+      # Each executable keeps ~200 memory maps: a whole run's would reach vm.max_map_count
+      # (65530) and LLVM fails to allocate (as benchmarks/rollout.py found).
+      jax.clear_caches()
+      gc.collect()
       compiled = 0
       if _PRECOMPILE.value:
         compiled = sum(run(v, batch, sampling, 0, epoch, compile_only=True)["new_programs"]
