@@ -124,6 +124,10 @@ def main(argv):
     if b < 1 or (b % group if b >= group else group % b):
       raise UserInputError(f"--batches={b}: must divide --group_size={group} or be a "
                            "multiple of it")
+  num_prompts = _PROMPTS.value or max(1, max(batches) // group)
+  if group * num_prompts < max(batches):
+    raise UserInputError(f"--prompts={num_prompts}: {group * num_prompts} rows, fewer than "
+                         f"--batches={max(batches)}")
   strategy = SpecStrategy.parse(_STRATEGY.value)
   ngram_strategy = (strategy if _NGRAM_STRATEGY.value is None
                     else SpecStrategy.parse(_NGRAM_STRATEGY.value, "--ngram_strategy"))
@@ -133,10 +137,6 @@ def main(argv):
   drafter, vocab_ids = load_drafter(_DRAFTER.value, model.config)
   vocab_ids = None if vocab_ids is None else jnp.asarray(vocab_ids)
   eos = tuple(tokenizer.eos_token_ids)
-  num_prompts = _PROMPTS.value or max(1, max(batches) // group)
-  if group * num_prompts < max(batches):
-    raise UserInputError(f"--prompts={num_prompts}: {group * num_prompts} rows, fewer than "
-                         f"--batches={max(batches)}")
   prompts = [tokenizer.chat_prompt(q)
              for _, q in build_questions(_TASKS, num_prompts, _SEED.value)]
   ngram_config = NgramConfig(max_ngram=_MAX_NGRAM.value)

@@ -15,6 +15,18 @@ accepted with probability m_{t+j}, up to --depth levels, draws from a process th
 accepts at least as much as any such drafter; its tokens per step bound the accept length.
 Prints JSON: the bound per tree size, the mean of m_t, and the fraction of positions
 whose last token occurs earlier at all.
+
+With --drafter, also the most a hybrid (tlt_jax/rollout/hybrid.py: per row and verify step,
+the learned chain or the model-free chain) could gain over the learned drafter alone, for
+issue 17's hybrid speed goal. Along the same responses, a learned chain's level j at
+position t is accepted with probability a_j(t) = sum_v min(p, q_j): q_j from the drafter
+unrolled along the sampled text (as its training-time test does), p from the target; a
+model-free chain's with m_t as above (one node a level). A model-free step costs one
+verify pass, a learned one 1 + d (d, the drafter's time, measured by the caller at each
+batch size). Per row, dynamic programming from the response's end gives the least
+expected time to emit it for learned alone, model-free alone, and an oracle choosing the
+kind at every step start; the oracle's tokens per unit time over learned's bounds what
+any per-row pick can reach at that cost ratio.
 """
 from __future__ import annotations
 
@@ -41,6 +53,13 @@ _NODES = flags.DEFINE_list("nodes", ["1", "4", "15"], "Tree sizes (drafts per le
 _WALKS = flags.DEFINE_integer("walks", 200, "Simulated walks per response.", lower_bound=1)
 _OUTPUT = flags.DEFINE_string("output", None, "Also write the JSON here.")
 _SEED = flags.DEFINE_integer("seed", 12345, "Prompt seed (as model_free.py's).")
+_EPOCH = flags.DEFINE_bool("epoch", False, "Model-free drafts also read an earlier epoch: "
+                           "G more responses to each prompt, at another seed.")
+_DRAFTER = flags.DEFINE_string("drafter", None, "Also bound the hybrid's gain over this "
+                               "learned drafter (e.g. assets/drafter_smollm2).")
+_DRAFT_COSTS = flags.DEFINE_list("draft_costs", ["0.2"], "The learned drafter's time per "
+                                 "verify step, in verify steps (d): one bound each (measure "
+                                 "d at each live batch size).")
 
 _TASKS = ["gsm_symbolic", "basic_arithmetic", "chain_sum"]
 
@@ -81,12 +100,56 @@ def bounded_accept(mass, depth: int, walks: int, rng) -> float:
   return walks * len(mass) / steps
 
 
+def step_outcomes(levels):
+  """P(a verify step emits exactly j + 1 tokens), j = 0..len(levels), for a chain whose
+  level i is accepted with probability levels[i] given the levels before it."""
+  import numpy as np
+  reach = np.concatenate([[1.0], np.cumprod(levels)])       # P(at least j accepted)
+  return reach - np.concatenate([reach[1:], [0.0]])
+
+
+def rates(rows, draft_cost: float) -> dict:
+  """Tokens per unit time over `rows` (each (learned [n, depth] level probabilities by step
+  start, model-free [n] m_t)) of learned drafting alone, model-free alone, and the best
+  per-row, per-step pick between them: each row's least expected time to emit its n
+  tokens, by dynamic programming from its end (a model-free step costs 1, a learned one
+  1 + draft_cost: the drafter's time charged to the rows that use it, less than a batch
+  pays when one row's pick runs it for all)."""
+  import numpy as np
+  totals = {"learned": 0.0, "ngram": 0.0, "oracle": 0.0}
+  tokens = 0
+  for learned, free in rows:
+    n = len(free)
+    tokens += n
+    finish = {kind: np.zeros(n + 1) for kind in totals}     # expected time from t to n
+    for t in range(n - 1, -1, -1):
+      top = min(n - 1 - t, learned.shape[1])
+      after = t + 1 + np.arange(top + 1)                    # where each outcome lands
+      step = {"learned": (1.0 + draft_cost, step_outcomes(learned[t, :top])),
+              "ngram": (1.0, step_outcomes(free[t:t + top]))}
+      for kind in ("learned", "ngram"):
+        cost, outcome = step[kind]
+        finish[kind][t] = cost + outcome @ finish[kind][after]
+      finish["oracle"][t] = min(cost + outcome @ finish["oracle"][after]
+                                for cost, outcome in step.values())
+    for kind in totals:
+      totals[kind] += finish[kind][0]
+  out = {f"{kind}_tokens_per_unit": tokens / total for kind, total in totals.items()}
+  return {"draft_cost": draft_cost, **out,
+          "oracle_over_learned": out["oracle_tokens_per_unit"] / out["learned_tokens_per_unit"]}
+
+
 def main(argv):
   del argv
   if _TEMPERATURE.value <= 0:
     raise UserInputError(f"--temperature={_TEMPERATURE.value}: must be > 0 (greedy "
                              "needs no bound: its drafts are checked against one token)")
   nodes = [int(n) for n in _NODES.value]
+  draft_costs = [float(d) for d in _DRAFT_COSTS.value]
+  if not all(d >= 0 for d in draft_costs):
+    raise UserInputError(f"--draft_costs={','.join(_DRAFT_COSTS.value)}: must be >= 0")
+  if _DRAFTER.value and 1 not in nodes:
+    raise UserInputError("--drafter: needs 1 in --nodes (the hybrid's model-free chain)")
   if _OUTPUT.value:
     cli.check_output_file(_OUTPUT.value, "--output")
   import jax
@@ -94,7 +157,9 @@ def main(argv):
   import numpy as np
 
   from tlt_jax.data.tasks import build_questions
+  from tlt_jax.drafter.trainer import load_drafter, unrolled_forward
   from tlt_jax.models import transformer
+  from tlt_jax.models.drafter import draft_head, draft_logits
   from tlt_jax.models.loading import load_model
   from tlt_jax.rollout.engine import generate
   from tlt_jax.rollout.sampling import SamplingParams
@@ -105,42 +170,82 @@ def main(argv):
   prompts = [model.tokenizer.chat_prompt(q)
              for _, q in build_questions(_TASKS, _PROMPTS.value, _SEED.value)]
   sampling = SamplingParams(temperature=_TEMPERATURE.value)
-  score = jax.jit(lambda p, tokens, positions: jax.nn.softmax(transformer.lm_logits(
-      p, config, transformer.forward_packed(p, config, tokens, positions,
-                                            jnp.zeros_like(tokens))) / _TEMPERATURE.value))
+  temperature = _TEMPERATURE.value
+  depth = _DEPTH.value
+
+  @jax.jit
+  def score(params, tokens, positions):
+    """The target's p at every position of a padded text [1, L], and its hidden states."""
+    hidden = transformer.forward_packed(params, config, tokens, positions,
+                                        jnp.zeros_like(tokens))
+    return jax.nn.softmax(transformer.lm_logits(params, config, hidden) / temperature), hidden
+
+  if _DRAFTER.value:
+    drafter, vocab_ids = load_drafter(_DRAFTER.value, config)
+    vocab_ids = None if vocab_ids is None else jnp.asarray(vocab_ids)
+    head = draft_head(params, config, vocab_ids)
+
+  @jax.jit
+  def learned_levels(drafter, params, head, vocab_ids, probs, tokens, hidden, positions):
+    """[L, depth]: at j, the chance that level m of a learned chain drafted after the
+    drafter read (h_j, x_{j+1}) is accepted, sum_v min(p, q_m) over the draft of x_{j+m+1}
+    (q_m from the drafter unrolled m passes along the text)."""
+    length = tokens.shape[1]
+    following = jnp.pad(tokens[:, 1:], [(0, 0), (0, 1)])
+    causal = jnp.tril(jnp.ones((1, length, length), bool))
+    preds = unrolled_forward(drafter, params, config, following, hidden, positions, causal,
+                             depth)
+    levels = []
+    for m, pred in enumerate(preds, 1):
+      q = jax.nn.softmax(draft_logits(head, pred[0]) / temperature)
+      p = jnp.pad(probs[0, m:], [(0, m), (0, 0)])
+      p = p if vocab_ids is None else jnp.take(p, vocab_ids, axis=1)
+      levels.append(jnp.sum(jnp.minimum(p, q), axis=-1))
+    return jnp.stack(levels, axis=-1)
+
   rng = np.random.default_rng(0)
   masses = {n: [] for n in nodes}
-  seen_all, bounds = [], {n: [] for n in nodes}
+  seen_all, bounds, rows = [], {n: [] for n in nodes}, []
+  sample = lambda prompt, seed: [list(prompt) + o.token_ids for o in generate(
+      params, config, [prompt] * _GROUP.value, max_new_tokens=_NEW_TOKENS.value,
+      sampling=sampling, eos_ids=eos, seed=seed).outputs]
   for k, prompt in enumerate(prompts):
     print(f"prompt {k + 1}/{len(prompts)}: sampling {_GROUP.value} responses",
           file=sys.stderr, flush=True)
-    result = generate(params, config, [prompt] * _GROUP.value,
-                      max_new_tokens=_NEW_TOKENS.value, sampling=sampling, eos_ids=eos,
-                      seed=k)
-    texts = [list(prompt) + o.token_ids for o in result.outputs]
+    texts = sample(prompt, k)
+    epoch = sample(prompt, 1000 + k) if _EPOCH.value else []
     for i, text in enumerate(texts):
       if len(text) == len(prompt):
         continue
       # Padded to one length per prompt (one program): causal, so the pad changes nothing.
-      padded = text + [0] * (len(prompt) + _NEW_TOKENS.value - len(text))
-      probs = np.asarray(score(params, jnp.asarray([padded]),
-                               jnp.arange(len(padded))[None]))[0]
-      probs = probs[len(prompt) - 1:len(text) - 1]       # p at each response position
+      padded = jnp.asarray([text + [0] * (len(prompt) + _NEW_TOKENS.value - len(text))])
+      positions = jnp.arange(padded.shape[1])[None]
+      probs, hidden = score(params, padded, positions)
+      response_probs = np.asarray(probs[0, len(prompt) - 1:len(text) - 1])  # p at each token
       for n in nodes:
-        mass, seen = successor_mass(probs, text, len(prompt), texts[:i], n)
+        mass, seen = successor_mass(response_probs, text, len(prompt), epoch + texts[:i], n)
         masses[n].append(mass)
-        bounds[n].append((len(mass), bounded_accept(mass, _DEPTH.value, _WALKS.value, rng)))
+        bounds[n].append((len(mass), bounded_accept(mass, depth, _WALKS.value, rng)))
+        if n == 1 and _DRAFTER.value:
+          # A step drafting response token t starts from the drafter reading h and x at
+          # text positions P + t - 2 and P + t - 1.
+          levels = np.asarray(learned_levels(drafter, params, head, vocab_ids, probs, padded,
+                                             hidden, positions))
+          rows.append((levels[len(prompt) - 2:len(text) - 2], mass))
       seen_all.append(seen)
   per_token = lambda pairs: sum(n for n, _ in pairs) / sum(n / b for n, b in pairs)
-  emit({"model": "smollm2 (fp32)", "temperature": _TEMPERATURE.value,
-        "group_size": _GROUP.value, "prompts": _PROMPTS.value, "depth": _DEPTH.value,
-        "positions": int(sum(len(s) for s in seen_all)),
-        "last_token_seen_before_frac": float(np.mean(np.concatenate(seen_all))),
-        "by_nodes": {str(n): {"level_accept_bound_mean": float(np.mean(np.concatenate(
-                                  masses[n]))),
-                              "accept_len_bound": per_token(bounds[n])} for n in nodes}},
-       _OUTPUT.value)
-
+  report = {"model": "smollm2 (fp32)", "temperature": temperature,
+            "group_size": _GROUP.value, "prompts": _PROMPTS.value, "depth": depth,
+            "earlier_epoch": _EPOCH.value,
+            "positions": int(sum(len(s) for s in seen_all)),
+            "last_token_seen_before_frac": float(np.mean(np.concatenate(seen_all))),
+            "by_nodes": {str(n): {"level_accept_bound_mean": float(np.mean(np.concatenate(
+                                      masses[n]))),
+                                  "accept_len_bound": per_token(bounds[n])} for n in nodes}}
+  if _DRAFTER.value:
+    report["hybrid"] = {"drafter": _DRAFTER.value, "by_draft_cost": [
+        rates(rows, d) for d in draft_costs]}
+  emit(report, _OUTPUT.value)
 
 if __name__ == "__main__":
   cli.run(main)

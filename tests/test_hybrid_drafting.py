@@ -216,3 +216,26 @@ def test_hybrid_bad_input_is_one_line(tmp_path):
                         timeout=300)
   errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
   assert proc.returncode == 2 and len(errors) == 1 and "--batches=3" in errors[0], proc.stderr
+
+
+
+def test_hybrid_bound_dynamic_programming():
+  """benchmarks/model_free_ceiling.py's hybrid bound on rows whose acceptance is certain:
+  each kind alone takes its steps; the oracle drafts with the drafter where it gains and
+  with the chain where that emits as much for less (the last token has nothing to draft);
+  with both uncertain, the oracle beats either alone."""
+  from benchmarks.model_free_ceiling import rates
+  n, depth = 21, 4          # steps at t = 0, 5, 10, 15 accept 4; the last (t = 20) none
+  bound = rates([(np.ones((n, depth)), np.zeros(n))], 0.2)
+  assert bound["learned_tokens_per_unit"] == pytest.approx(n / (5 * 1.2))
+  assert bound["ngram_tokens_per_unit"] == pytest.approx(1.0)
+  assert bound["oracle_tokens_per_unit"] == pytest.approx(n / (4 * 1.2 + 1))
+  bound = rates([(np.zeros((n, depth)), np.ones(n))], 0.2)
+  assert bound["oracle_tokens_per_unit"] == pytest.approx(n / 5)
+  assert bound["learned_tokens_per_unit"] == pytest.approx(1 / 1.2)
+  halves = np.arange(n) < n // 2                      # the drafter good early, the chain late
+  mixed = [(np.where(halves[:, None], 0.9, 0.1) * np.ones((n, depth)),
+            np.where(halves, 0.1, 0.9))]
+  bound = rates(mixed, 0.2)
+  assert bound["oracle_tokens_per_unit"] > 1.2 * max(bound["learned_tokens_per_unit"],
+                                                     bound["ngram_tokens_per_unit"])
