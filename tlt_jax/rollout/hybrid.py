@@ -22,12 +22,12 @@ accepted: it is tried first).
 
 Why the pick is the default: under one token budget the merged tree halves each chain's
 depth and always pays the drafter, while the pick gives the winning kind the whole depth
-and skips the drafter when every row picks the chain. SmolLM2, 2-core CPU, batch 1, 4_1_5,
-96 tokens, an earlier epoch's response as draft context (two timed runs each, noisy):
-T=0: plain 31-35 tokens/s, learned 42-48 (accept 2.71), n-gram 53-67 (3.65), pick 58-61
-(3.52, learned 0.11 of steps), merge 43-46 (2.71); T=1: plain 36-38, learned 37-38
-(2.0-2.2), n-gram 20-31 (1.1-1.4), pick 35-40 (1.9-2.1), merge 19-35 (1.6-1.8). The pick
-follows the better kind; the merged tree trails both.
+and skips the drafter when every row picks the chain. benchmarks/results/model_free_cpu.json
+(SmolLM2, 2-core CPU, G = 8, 4_1_5, an earlier epoch's responses as context), the pick's
+tokens/s over the merge's: T=0 1.42x, 1.29x, 1.43x at live batch 1, 4, 16 (the chain
+accepts 3.9-4.0 tokens a step, the merge's half-depth chain 2.8); T=1 0.94x, 0.87x, 1.07x
+(the chain accepts 1.3 there, the learned drafter 2.0, and the merge's two drafter levels
+cost less than the pick's four).
 """
 from __future__ import annotations
 
