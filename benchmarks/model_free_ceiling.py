@@ -226,13 +226,13 @@ def main(argv):
         mass, seen = successor_mass(response_probs, text, len(prompt), epoch + texts[:i], n)
         masses[n].append(mass)
         bounds[n].append((len(mass), bounded_accept(mass, depth, _WALKS.value, rng)))
-        if n == 1 and _DRAFTER.value:
-          # A step drafting response token t starts from the drafter reading h and x at
-          # text positions P + t - 2 and P + t - 1.
-          levels = np.asarray(learned_levels(drafter, params, head, vocab_ids, probs, padded,
-                                             hidden, positions))
-          rows.append((levels[len(prompt) - 2:len(text) - 2], mass))
       seen_all.append(seen)
+      if _DRAFTER.value:
+        # A step drafting response token t starts from the drafter reading h and x at text
+        # positions P + t - 2 and P + t - 1; its chain is the one-node bound's.
+        levels = np.asarray(learned_levels(drafter, params, head, vocab_ids, probs, padded,
+                                           hidden, positions))
+        rows.append((levels[len(prompt) - 2:len(text) - 2], masses[1][-1]))
   per_token = lambda pairs: sum(n for n, _ in pairs) / sum(n / b for n, b in pairs)
   report = {"model": "smollm2 (fp32)", "temperature": temperature,
             "group_size": _GROUP.value, "prompts": _PROMPTS.value, "depth": depth,
@@ -246,6 +246,7 @@ def main(argv):
     report["hybrid"] = {"drafter": _DRAFTER.value, "by_draft_cost": [
         rates(rows, d) for d in draft_costs]}
   emit(report, _OUTPUT.value)
+
 
 if __name__ == "__main__":
   cli.run(main)
