@@ -218,7 +218,6 @@ def test_hybrid_bad_input_is_one_line(tmp_path):
   assert proc.returncode == 2 and len(errors) == 1 and "--batches=3" in errors[0], proc.stderr
 
 
-
 def test_hybrid_bound_dynamic_programming():
   """benchmarks/model_free_ceiling.py's hybrid bound on rows whose acceptance is certain:
   each kind alone takes its steps; the oracle drafts with the drafter where it gains and
