@@ -6,6 +6,7 @@ import logging as std_logging
 import os
 import sys
 import tempfile
+import warnings
 from typing import Any, Callable
 
 from absl import app, flags, logging
@@ -62,6 +63,9 @@ def run(main: Callable[[list[str]], Any]) -> None:
       std_logging.getLogger("absl").addFilter(_drop_orbax_tracebacks)
       std_logging.getLogger("asyncio").addFilter(_drop_unretrieved_write_errors)
       sys.unraisablehook = _quiet_unraisable
+      # The same failed save can leave a tensorstore write coroutine never scheduled; its
+      # warning prints at interpreter exit, after (and burying) the one-line error.
+      warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited", RuntimeWarning)
     try:
       return main(argv)
     except UserInputError as e:

@@ -174,3 +174,22 @@ def test_full_disk_at_save_keeps_last_checkpoint(faulty_run, tmp_path):
   assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["1", "2"]
   records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
   assert [r["step"] for r in records] == [1, 2]
+
+
+def test_error_line_stays_last_over_exit_noise(tmp_path):
+  """A failed orbax save can leave a never-awaited write coroutine; its RuntimeWarning
+  prints at interpreter exit, after the error line, unless the CLI silences it."""
+  script = tmp_path / "leaky_main.py"
+  script.write_text(
+      "from experiments import cli\n"
+      "from tlt_jax.errors import UserInputError\n"
+      "async def write_fragment(): pass\n"
+      "def main(argv):\n"
+      "  main.leaked = write_fragment()\n"  # collected at exit, never awaited
+      "  raise UserInputError('checkpoint save failed on purpose')\n"
+      "cli.run(main)\n")
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, str(script)], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=300)
+  error_line(proc, "checkpoint save failed on purpose")
+  assert "never awaited" not in proc.stderr, proc.stderr
