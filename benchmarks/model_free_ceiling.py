@@ -20,13 +20,17 @@ With --drafter, also the most a hybrid (tlt_jax/rollout/hybrid.py: per row and v
 the learned chain or the model-free chain) could gain over the learned drafter alone, for
 issue 17's hybrid speed goal. Along the same responses, a learned chain's level j at
 position t is accepted with probability a_j(t) = sum_v min(p, q_j): q_j from the drafter
-unrolled along the sampled text (as its training-time test does), p from the target; a
-model-free chain's with m_t as above (one node a level). A model-free step costs one
+unrolled along the sampled text (as its training-time test does), p from the target. Two
+model-free chains: the oracle one, level j accepted with m_{t+j} as above (one node a
+level); and ours, tlt_jax/rollout/ngram.py's chain replayed on the host over the same
+text, whose point-mass level is accepted exactly when the sampled token equals its draft
+(the coupling that makes the emitted text plain sampling's). A model-free step costs one
 verify pass, a learned one 1 + d (d, the drafter's time, measured by the caller at each
 batch size). Per row, dynamic programming from the response's end gives the least
 expected time to emit it for learned alone, model-free alone, and an oracle choosing the
 kind at every step start; the oracle's tokens per unit time over learned's bounds what
-any per-row pick can reach at that cost ratio.
+any per-row pick can reach at that cost ratio (with our chain, it even sees whether this
+step's draws match the draft: still a bound, and the one our hybrid can approach).
 """
 from __future__ import annotations
 
@@ -57,6 +61,8 @@ _EPOCH = flags.DEFINE_bool("epoch", False, "Model-free drafts also read an earli
                            "G more responses to each prompt, at another seed.")
 _DRAFTER = flags.DEFINE_string("drafter", None, "Also bound the hybrid's gain over this "
                                "learned drafter (e.g. assets/drafter_smollm2).")
+_MAX_NGRAM = flags.DEFINE_integer("max_ngram", 4, "Our chain's longest suffix matched "
+                                  "(as benchmarks/model_free.py's).", lower_bound=1)
 _DRAFT_COSTS = flags.DEFINE_list("draft_costs", ["0.2"], "The learned drafter's time per "
                                  "verify step, in verify steps (d): one bound each (measure "
                                  "d at each live batch size).")
@@ -85,6 +91,42 @@ def successor_mass(probs, text, start: int, earlier: list[list[int]], nodes: int
   return np.array(mass), np.array(seen)
 
 
+def chain_accepts(text, start: int, earlier: list[list[int]], max_ngram: int, depth: int):
+  """[n, depth] 0/1: for each position t >= start of `text`, whether level j of the n-gram
+  chain a step starting there drafts (ngram.py's rule: the longest match of the last
+  <= max_ngram tokens in text[:t] or the earlier texts, then the latest position; the
+  tokens after it, cycling) is accepted: its draft and the ones before it equal the text."""
+  import numpy as np
+  out = np.zeros((len(text) - start, depth))
+  for t in range(start, len(text)):
+    own = text[:t]
+    best = (0, -1, None)            # (match length, end position, source)
+    for source in [own] + earlier:
+      for end in range(len(source) - 1):        # a match needs a token after it
+        k = 0
+        while k < max_ngram and k <= end and source[end - k] == own[-1 - k]:
+          k += 1
+        if k and (k, end) > best[:2]:
+          best = (k, end, source)
+    k, end, source = best
+    if not k:
+      continue
+    period = len(source) - 1 - end
+    for j in range(min(depth, len(text) - t)):
+      if source[end + 1 + j % period] != text[t + j]:
+        break
+      out[t - start, j] = 1.0
+  return out
+
+
+def by_step_start(mass, depth: int):
+  """[n, depth]: level j of a step starting at t is accepted with mass[t + j] (0 past the
+  end)."""
+  import numpy as np
+  padded = np.concatenate([mass, np.zeros(depth)])
+  return np.stack([padded[j:j + len(mass)] for j in range(depth)], axis=1)
+
+
 def bounded_accept(mass, depth: int, walks: int, rng) -> float:
   """Tokens per verify step of walks along one response, level j accepted w.p. m_{t+j}."""
   steps = 0
@@ -109,12 +151,12 @@ def step_outcomes(levels):
 
 
 def rates(rows, draft_cost: float) -> dict:
-  """Tokens per unit time over `rows` (each (learned [n, depth] level probabilities by step
-  start, model-free [n] m_t)) of learned drafting alone, model-free alone, and the best
-  per-row, per-step pick between them: each row's least expected time to emit its n
-  tokens, by dynamic programming from its end (a model-free step costs 1, a learned one
-  1 + draft_cost: the drafter's time charged to the rows that use it, less than a batch
-  pays when one row's pick runs it for all)."""
+  """Tokens per unit time over `rows` (each the learned and the model-free chain's level
+  acceptance probabilities by step start, [n, depth] each) of learned drafting alone,
+  model-free alone, and the best per-row, per-step pick between them: each row's least
+  expected time to emit its n tokens, by dynamic programming from its end (a model-free
+  step costs 1, a learned one 1 + draft_cost: the drafter's time charged to the rows that
+  use it, less than a batch pays when one row's pick runs it for all)."""
   import numpy as np
   totals = {"learned": 0.0, "ngram": 0.0, "oracle": 0.0}
   tokens = 0
@@ -126,7 +168,7 @@ def rates(rows, draft_cost: float) -> dict:
       top = min(n - 1 - t, learned.shape[1])
       after = t + 1 + np.arange(top + 1)                    # where each outcome lands
       step = {"learned": (1.0 + draft_cost, step_outcomes(learned[t, :top])),
-              "ngram": (1.0, step_outcomes(free[t:t + top]))}
+              "ngram": (1.0, step_outcomes(free[t, :top]))}
       for kind in ("learned", "ngram"):
         cost, outcome = step[kind]
         finish[kind][t] = cost + outcome @ finish[kind][after]
@@ -205,7 +247,7 @@ def main(argv):
 
   rng = np.random.default_rng(0)
   masses = {n: [] for n in nodes}
-  seen_all, bounds, rows = [], {n: [] for n in nodes}, []
+  seen_all, bounds, rows = [], {n: [] for n in nodes}, {"oracle_chain": [], "ngram_chain": []}
   sample = lambda prompt, seed: [list(prompt) + o.token_ids for o in generate(
       params, config, [prompt] * _GROUP.value, max_new_tokens=_NEW_TOKENS.value,
       sampling=sampling, eos_ids=eos, seed=seed).outputs]
@@ -232,7 +274,10 @@ def main(argv):
         # positions P + t - 2 and P + t - 1; its chain is the one-node bound's.
         levels = np.asarray(learned_levels(drafter, params, head, vocab_ids, probs, padded,
                                            hidden, positions))
-        rows.append((levels[len(prompt) - 2:len(text) - 2], masses[1][-1]))
+        levels = levels[len(prompt) - 2:len(text) - 2]
+        rows["oracle_chain"].append((levels, by_step_start(masses[1][-1], depth)))
+        rows["ngram_chain"].append((levels, chain_accepts(text, len(prompt), epoch + texts[:i],
+                                                          _MAX_NGRAM.value, depth)))
   per_token = lambda pairs: sum(n for n, _ in pairs) / sum(n / b for n, b in pairs)
   report = {"model": "smollm2 (fp32)", "temperature": temperature,
             "group_size": _GROUP.value, "prompts": _PROMPTS.value, "depth": depth,
@@ -243,8 +288,11 @@ def main(argv):
                                       masses[n]))),
                                   "accept_len_bound": per_token(bounds[n])} for n in nodes}}
   if _DRAFTER.value:
-    report["hybrid"] = {"drafter": _DRAFTER.value, "by_draft_cost": [
-        rates(rows, d) for d in draft_costs]}
+    # The pick against the oracle chain bounds any model-free drafter's hybrid; against
+    # ours, the hybrid we ship.
+    report["hybrid"] = {"drafter": _DRAFTER.value, "max_ngram": _MAX_NGRAM.value, **{
+        chain: {"by_draft_cost": [rates(kind_rows, d) for d in draft_costs]}
+        for chain, kind_rows in rows.items()}}
   emit(report, _OUTPUT.value)
 
 

@@ -28,17 +28,21 @@ def _hybrid_spec(drafter, merge=False, **fields):
                     hybrid=hybrid.HybridConfig(merge=merge), **fields)
 
 
-def _picks(live, learned_emits, ngram_emits, steps=40):
+def _picks(live, learned_emits, ngram_emits, steps=40, short_emits=None,
+           full_match=lambda step: True):
   """Runs the per-row pick for `steps` verify steps where each row's learned drafter and
-  model-free chain emit fixed token counts: (picks [steps, B], steps per kind [B, 2])."""
+  model-free chain emit fixed token counts (the chain `short_emits` after a short match,
+  on the steps where `full_match(step)` is false): (picks [steps, B], steps per kind
+  [B, 2])."""
   config = hybrid.HybridConfig(draft_cost=0.5)
   stats, live, picks = hybrid.init_stats(len(live)), jnp.array(live), []
-  for _ in range(steps):
-    learned = hybrid.pick_learned(stats, config, 5, live)
+  for step in range(steps):
+    full = jnp.full(live.shape, full_match(step))
+    chain_emits = jnp.where(full, jnp.array(ngram_emits), jnp.array(short_emits or ngram_emits))
+    learned = hybrid.pick_learned(stats, config, 5, live, full)
     picks.append(np.asarray(learned))
     stats = hybrid.record(stats, config, learned,
-                          jnp.where(learned, jnp.array(learned_emits), jnp.array(ngram_emits)),
-                          live)
+                          jnp.where(learned, jnp.array(learned_emits), chain_emits), live, full)
   return np.array(picks), np.asarray(stats.steps)
 
 
@@ -55,6 +59,14 @@ def test_pick_follows_tokens_per_unit_cost():
   assert not picks[0].any() and picks[1, :2].all()
   assert steps[0, 0] >= 36 and steps[1, 0] >= 30 and 1 <= steps[1, 1]
   assert steps[2].tolist() == [0, 0] and steps[:2].sum() == 80
+  # Beside a paying row, a row whose chain emits 5 after a full-length match and 1 after a
+  # shorter one, against its drafter's 3, drafts model-free exactly on full-match steps.
+  picks, _ = _picks([True, True], [5, 3], [1, 5], steps=60, short_emits=[1, 1],
+                    full_match=lambda step: step % 3 == 0)
+  full = np.arange(60) % 3 == 0
+  late = np.arange(60) >= 20                 # after the first tries
+  assert not picks[full & late, 1].any()
+  assert picks[~full & late, 1].mean() >= 0.9
 
 
 def test_point_mass_then_drawn_sibling_emits_p():
@@ -191,8 +203,8 @@ def test_hybrid_sampling_matches_plain_marginals(monkeypatch, merge):
 
 def test_hybrid_bad_input_is_one_line(tmp_path):
   """SpecConfig: a hybrid needs both drafters and chains. CLI: `--hybrid` without a learned
-  drafter, and benchmarks/model_free.py's batches that split no group evenly, are one
-  line, exit 2, before the model loads."""
+  drafter, and benchmarks/model_free.py's batches that split no group evenly or unknown
+  variants, are one line, exit 2, before the model loads."""
   _, _, drafter = _model(8)
   with pytest.raises(UserInputError, match="hybrid drafting needs both"):
     SpecConfig(drafter=drafter, hybrid=hybrid.HybridConfig(), strategy=SpecStrategy(3, 1, 4))
@@ -210,12 +222,14 @@ def test_hybrid_bad_input_is_one_line(tmp_path):
          *flags], cwd=REPO, capture_output=True, text=True, timeout=300)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stderr
-  # The benchmark's batches must split groups evenly (checked before the model loads).
-  proc = subprocess.run([sys.executable, "benchmarks/model_free.py", "--batches=3",
-                         "--group_size=8"], cwd=REPO, capture_output=True, text=True,
-                        timeout=300)
-  errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-  assert proc.returncode == 2 and len(errors) == 1 and "--batches=3" in errors[0], proc.stderr
+  # The benchmark's batches must split groups evenly, its variants exist (checked before
+  # the model loads).
+  for flags, message in ((["--batches=3", "--group_size=8"], "--batches=3"),
+                         (["--variants=hybrid,fast"], "--variants: unknown fast")):
+    proc = subprocess.run([sys.executable, "benchmarks/model_free.py", *flags], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stderr
 
 
 def test_hybrid_bound_dynamic_programming():
@@ -223,18 +237,35 @@ def test_hybrid_bound_dynamic_programming():
   each kind alone takes its steps; the oracle drafts with the drafter where it gains and
   with the chain where that emits as much for less (the last token has nothing to draft);
   with both uncertain, the oracle beats either alone."""
-  from benchmarks.model_free_ceiling import rates
+  from benchmarks.model_free_ceiling import by_step_start, rates
   n, depth = 21, 4          # steps at t = 0, 5, 10, 15 accept 4; the last (t = 20) none
-  bound = rates([(np.ones((n, depth)), np.zeros(n))], 0.2)
+  levels = lambda mass: by_step_start(np.asarray(mass, float), depth)
+  bound = rates([(np.ones((n, depth)), levels(np.zeros(n)))], 0.2)
   assert bound["learned_tokens_per_unit"] == pytest.approx(n / (5 * 1.2))
   assert bound["ngram_tokens_per_unit"] == pytest.approx(1.0)
   assert bound["oracle_tokens_per_unit"] == pytest.approx(n / (4 * 1.2 + 1))
-  bound = rates([(np.zeros((n, depth)), np.ones(n))], 0.2)
+  bound = rates([(np.zeros((n, depth)), levels(np.ones(n)))], 0.2)
   assert bound["oracle_tokens_per_unit"] == pytest.approx(n / 5)
   assert bound["learned_tokens_per_unit"] == pytest.approx(1 / 1.2)
   halves = np.arange(n) < n // 2                      # the drafter good early, the chain late
   mixed = [(np.where(halves[:, None], 0.9, 0.1) * np.ones((n, depth)),
-            np.where(halves, 0.1, 0.9))]
+            levels(np.where(halves, 0.1, 0.9)))]
   bound = rates(mixed, 0.2)
   assert bound["oracle_tokens_per_unit"] > 1.2 * max(bound["learned_tokens_per_unit"],
                                                      bound["ngram_tokens_per_unit"])
+
+
+def test_ceiling_replays_the_ngram_chain():
+  """benchmarks/model_free_ceiling.py's host replay of ngram.py's chain: the longest match
+  (then the latest), its continuation cycling, accepted level by level while it equals the
+  text; no match drafts nothing."""
+  from benchmarks.model_free_ceiling import chain_accepts
+  prompt = [1, 2, 3]
+  sibling = [1, 2, 3, 4, 5, 6, 9]
+  text = prompt + [4, 5, 7, 8, 8, 8]
+  accepts = chain_accepts(text, len(prompt), [sibling], max_ngram=2, depth=3)
+  # t=3: "2 3" matches the sibling: drafts 4 5 6, the text has 4 5 7. t=4: "3 4" -> 5 6 9.
+  # t=5: "4 5" -> 6. t=6: "5 7" and "7" occur nowhere before. t=7: "7 8" no, "8" no.
+  # t=8: "8 8" no, "8" ends at 7 of its own text: 8, cycling (period 1): the text's 8.
+  assert accepts.tolist() == [[1, 1, 0], [1, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0],
+                              [1, 0, 0]]

@@ -50,16 +50,19 @@ def test_chain_follows_the_longest_latest_match_and_appends():
   texts = [prompt + [3], prompt + [3, 4, 1, 5, 6], [7, 7, 7], [9, 8]]
   context = ngram.build_context(texts, [0, 0, 1, 2], np.array([0, 2, 3, -1]), 32)
   assert context.sizes == {"entries": 4, "length": 32, "members": 2}
-  drafts = np.asarray(ngram.propose_chain(context, 3, NgramConfig(max_ngram=4)))
+  drafts, matched = ngram.propose_chain(context, 3, NgramConfig(max_ngram=4))
+  drafts = np.asarray(drafts)
   # Row 0's last 4 tokens "4 1 2 3" end at 6 of its own text and at 6 and 10 of its
   # sibling's, which is ahead: the latest match gives its next tokens. Row 1: "7 7" cycles.
+  # Row 2's "8" never occurred before: no match.
   assert drafts[0].tolist() == [4, 1, 5] and drafts[1].tolist() == [7, 7, 7]
+  assert np.asarray(matched)[:3].tolist() == [4, 2, 0]
   grown = ngram.append(context, jnp.array([[4, 1, 5]] * 4), jnp.array([2, 0, 1, 3]))
   assert np.asarray(grown.lengths).tolist() == [13, 15, 3, 3]
   assert np.asarray(grown.tokens)[0, 11:13].tolist() == [4, 1]
   assert np.asarray(grown.tokens)[3, :3].tolist() == [9, 8, 4]
   # Matched at the sibling's 12th token, two tokens follow, then the chain repeats them.
-  assert np.asarray(ngram.propose_chain(grown, 3, NgramConfig()))[0].tolist() == [5, 6, 5]
+  assert np.asarray(ngram.propose_chain(grown, 3, NgramConfig())[0])[0].tolist() == [5, 6, 5]
 
 
 def test_tree_is_the_trie_of_the_heaviest_continuations():
@@ -70,15 +73,16 @@ def test_tree_is_the_trie_of_the_heaviest_continuations():
   from tlt_jax.rollout import ngram
   own = [1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 6, 0, 1, 2, 7, 8, 9, 0, 1, 2]
   context = ngram.build_context([own, [1, 2, 3, 4, 5, 0]], [0, 0], np.array([0]), 32)
-  tokens, depths, parents, ancestors = (np.asarray(x)[0] for x in ngram.propose_tree(
+  tokens, depths, parents, ancestors, matched = (np.asarray(x)[0] for x in ngram.propose_tree(
       context, 3, 2, 6, NgramConfig(max_ngram=2)))
+  assert matched == 2
   # Weights: 3 and 4 (x3), 5 (x2), then 7, 8, 9 and 6 (x1); 9 is the latest match's.
   assert tokens.tolist() == [3, 7, 4, 8, 5, 9]
   assert depths.tolist() == [1, 1, 2, 2, 3, 3] and parents.tolist() == [0, 0, 1, 2, 3, 4]
   assert np.array_equal(ancestors, [[1, 0, 0, 0, 0, 0], [0, 1, 0, 0, 0, 0],
                                     [1, 0, 1, 0, 0, 0], [0, 1, 0, 1, 0, 0],
                                     [1, 0, 1, 0, 1, 0], [0, 1, 0, 1, 0, 1]])
-  tokens, depths, parents, ancestors = (np.asarray(x)[0] for x in ngram.propose_tree(
+  tokens, depths, parents, ancestors, _ = (np.asarray(x)[0] for x in ngram.propose_tree(
       context, 3, 1, 5, NgramConfig(max_ngram=2)))
   assert tokens.tolist() == [3, 4, 5, 3, 3] and parents.tolist() == [0, 1, 2, 0, 0]
   assert depths.tolist() == [1, 2, 3, 1, 1]

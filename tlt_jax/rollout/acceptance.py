@@ -46,8 +46,9 @@ def recursive_rejection(key: jax.Array, target_probs: jax.Array, draft_probs: ja
   target_probs [B, N, V]: p at each of the N verified nodes. draft_probs [B, N, V]: the q
   each node's children were drawn from (any row for a leaf); None: every draft is a point
   mass (model-free, distinct siblings). point_mass [B, N] bool: with draft_probs, the nodes
-  that are point masses all the same (a model-free chain in a learned tree; a node's
-  point-mass children come before its drawn ones). tokens [B, N]; parents [B, N]:
+  that are point masses all the same (a model-free chain in a learned tree, or a
+  model-free row among learned ones; a node's point-mass children come before its drawn
+  ones). tokens [B, N]; parents [B, N]:
   verify index of each node's parent (entry 0, the root's, is ignored). Siblings appear in
   the order they were drawn; a child's depth is its parent's plus one, at most `depth`;
   no node has more than `max_children` children.

@@ -1,19 +1,22 @@
 """Hybrid drafting: per row and verify step, the learned drafter's draft or the model-free
 chain, whichever has emitted more tokens per unit time for that row so far.
 
-A small bandit per row over the two kinds. Each row counts, per kind, the verify steps it
-drafted and the tokens they emitted, discounted by `memory` every step so that a row
-follows its text (a sibling ahead makes n-gram drafts good; a new stretch of reasoning
-makes them bad). A kind's rate is its discounted tokens per step over its cost: a
-model-free step costs one verify pass, a learned one `1 + draft_cost` (its drafter tree),
-a cost the batch shares (`pick_learned`).
-Both kinds start from an optimistic prior (every step emits the most a step can, with the
+A small bandit per row over three arms: the learned drafter, and the model-free chain in
+two contexts, after a match of the full `max_ngram` tokens or after a shorter one (known
+before the step: a chain copying a sibling's sentence and one guessing from a single
+token are different drafters). Each row counts, per arm, the verify steps it drafted and
+the tokens they emitted, discounted by `memory` every step so that a row follows its text
+(a sibling ahead makes n-gram drafts good; a new stretch of reasoning makes them bad). An
+arm's rate is its discounted tokens per step over its cost: a model-free step costs one
+verify pass, a learned one `1 + draft_cost` (its drafter tree), a cost the batch shares
+(`pick_learned`); a step's chain competes with the arm of its context.
+All arms start from an optimistic prior (every step emits the most a step can, with the
 weight of a tenth of a step), so each is tried at once, and one not picked for a while
-drifts back to that prior and is tried again: a kind emitting half the other's rate
+drifts back to that prior and is tried again: an arm emitting half the other's rate
 is retried about once in 14 steps (memory 0.95), a light exploration. Ties go to the
 model-free chain, the cheaper one.
 
-The pick reads only earlier steps' outcomes, never this step's draws: the verified draft
+The pick reads only earlier steps' outcomes and text, never this step's draws: the verified draft
 is fixed before them, so verification stays exact whichever kind a row picks.
 
 `merge` selects the other design, one tree holding both drafts (see `HybridConfig`); its
@@ -40,6 +43,10 @@ import jax.numpy as jnp
 from tlt_jax.errors import UserInputError
 
 KINDS = ("learned", "ngram")   # the columns of `HybridStats`' [B, 2] counts
+# The pick's arms: the learned drafter, and the model-free chain after a match of the full
+# `max_ngram` tokens or a shorter one (at T=1 on SmolLM2 a chain after a 4-token match
+# accepts 3-4x as much as after a 1-token one, and matches that short are most steps).
+_LEARNED, _FULL_MATCH, _SHORT_MATCH = range(3)
 _PRIOR_STEPS = 0.1             # the optimistic prior's weight, in verify steps
 
 
@@ -69,13 +76,13 @@ class HybridConfig:
 class HybridStats:
   steps: jax.Array           # [B, 2] int32: verify steps each kind drafted (for stats)
   tokens: jax.Array          # [B, 2] int32: tokens those steps emitted
-  recent_steps: jax.Array    # [B, 2] float32: the same, discounted (for the pick)
-  recent_tokens: jax.Array   # [B, 2] float32
+  recent_steps: jax.Array    # [B, 3] float32: the same by arm, discounted (for the pick)
+  recent_tokens: jax.Array   # [B, 3] float32
 
 
 def init_stats(batch: int) -> HybridStats:
   ints = lambda: jnp.zeros((batch, len(KINDS)), jnp.int32)
-  floats = lambda: jnp.zeros((batch, len(KINDS)), jnp.float32)
+  floats = lambda: jnp.zeros((batch, 3), jnp.float32)
   return HybridStats(steps=ints(), tokens=ints(), recent_steps=floats(),
                      recent_tokens=floats())
 
@@ -85,10 +92,15 @@ def merge_split(depth: int) -> tuple[int, int]:
   return depth - depth // 2, depth // 2
 
 
+def _arm(learned: jax.Array, full_match: jax.Array) -> jax.Array:
+  return jnp.where(learned, _LEARNED, jnp.where(full_match, _FULL_MATCH, _SHORT_MATCH))
+
+
 def pick_learned(stats: HybridStats, config: HybridConfig, most_tokens: int,
-                 live: jax.Array) -> jax.Array:
-  """[B] bool: the rows whose learned drafter has the higher rate. most_tokens: the most one
-  verify step can emit (depth + 1), the optimistic prior.
+                 live: jax.Array, full_match: jax.Array) -> jax.Array:
+  """[B] bool: the rows whose learned drafter has the higher rate than this step's
+  model-free chain, whose arm is set by `full_match` [B] (its match has `max_ngram`
+  tokens). most_tokens: the most one verify step can emit (depth + 1), the optimistic prior.
 
   The drafter's cost is the batch's, not a row's: once a live row's pick runs it, every
   row drafts with whichever kind emits more per step (a row that keeps the chain then
@@ -96,18 +108,23 @@ def pick_learned(stats: HybridStats, config: HybridConfig, most_tokens: int,
   ran at 37-41 tokens/s against the learned drafter's 49-62)."""
   per_step = ((stats.recent_tokens + _PRIOR_STEPS * most_tokens)
               / (stats.recent_steps + _PRIOR_STEPS))
-  worth_its_cost = per_step[:, 0] / (1.0 + config.draft_cost) > per_step[:, 1]
+  learned = per_step[:, _LEARNED]
+  chain = jnp.take_along_axis(per_step, _arm(False, full_match)[:, None], axis=1)[:, 0]
+  worth_its_cost = learned / (1.0 + config.draft_cost) > chain
   drafter_runs = jnp.any(worth_its_cost & live)
-  return jnp.where(drafter_runs, per_step[:, 0] > per_step[:, 1], worth_its_cost)
+  return jnp.where(drafter_runs, learned > chain, worth_its_cost)
 
 
 def record(stats: HybridStats, config: HybridConfig, learned: jax.Array, emitted: jax.Array,
-           live: jax.Array) -> HybridStats:
+           live: jax.Array, full_match: jax.Array) -> HybridStats:
   """Adds one verify step: live rows drafted by the learned drafter where `learned`, else
-  model-free, and emitted `emitted` [B] tokens."""
+  by the model-free chain (after a full-length match where `full_match`), and emitted
+  `emitted` [B] tokens."""
   used = jnp.stack([learned, ~learned], axis=1) & live[:, None]             # [B, 2]
   gained = jnp.where(used, emitted[:, None], 0)
+  arm = (jnp.arange(3)[None, :] == _arm(learned, full_match)[:, None]) & live[:, None]
   fade = jnp.where(live[:, None], config.memory, 1.0)
   return HybridStats(steps=stats.steps + used, tokens=stats.tokens + gained,
-                     recent_steps=fade * stats.recent_steps + used,
-                     recent_tokens=fade * stats.recent_tokens + gained)
+                     recent_steps=fade * stats.recent_steps + arm,
+                     recent_tokens=fade * stats.recent_tokens + jnp.where(
+                         arm, emitted[:, None], 0))

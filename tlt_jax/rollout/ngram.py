@@ -91,7 +91,7 @@ def build_context(texts: Sequence[Sequence[int]], groups: Sequence[int],
 def _continuations(context: DraftContext, count: int, depth: int, config: NgramConfig
                    ) -> tuple[jax.Array, jax.Array]:
   """The tokens after each row's `count` best suffix matches among its members, best first
-  (longest, then latest) [B, count, depth], and whether each is a match at all [B, count].
+  (longest, then latest) [B, count, depth], and each one's length [B, count] (0: none).
 
   A row with no match drafts whatever the clipped gather gives: a wrong draft costs its
   verify slot, never exactness."""
@@ -125,12 +125,16 @@ def _continuations(context: DraftContext, count: int, depth: int, config: NgramC
   period = jnp.maximum(jnp.take_along_axis(following.reshape(score.shape), best, axis=1), 1)
   after = end[..., None] + 1 + jnp.arange(depth) % period[..., None]
   drafts = jnp.take_along_axis(chosen, jnp.clip(after, 0, length - 1), axis=2)
-  return drafts, jnp.take_along_axis(score, best, axis=1) >= 0
+  best_score = jnp.take_along_axis(score, best, axis=1)
+  return drafts, jnp.where(best_score >= 0, best_score // length, 0)
 
 
-def propose_chain(context: DraftContext, depth: int, config: NgramConfig) -> jax.Array:
-  """[B, depth] drafts: the tokens after each row's best suffix match among its members."""
-  return _continuations(context, 1, depth, config)[0][:, 0]
+def propose_chain(context: DraftContext, depth: int, config: NgramConfig
+                  ) -> tuple[jax.Array, jax.Array]:
+  """[B, depth] drafts: the tokens after each row's best suffix match among its members;
+  and the match's length [B] (0: none), which predicts how often the chain is accepted."""
+  drafts, matched = _continuations(context, 1, depth, config)
+  return drafts[:, 0], matched[:, 0]
 
 
 def propose_tree(context: DraftContext, depth: int, topk: int, nodes: int,
@@ -145,8 +149,9 @@ def propose_tree(context: DraftContext, depth: int, topk: int, nodes: int,
   Returns tokens, depths (1..depth), parents (verify index: 0 is the root, node i is
   verify index i + 1) [B, nodes] each, and ancestors [B, nodes, nodes] (each node's
   ancestors below the root, itself included), in verify order: by depth, siblings
-  heaviest first."""
-  drafts, found = _continuations(context, nodes, depth, config)       # [B, K, D], [B, K]
+  heaviest first; and the best match's length [B] (0: none)."""
+  drafts, matched = _continuations(context, nodes, depth, config)     # [B, K, D], [B, K]
+  found = matched > 0
   b, k, _ = drafts.shape
   # same[b, n, m, d]: candidates n and m agree on their first d + 1 tokens.
   same = jnp.cumprod(drafts[:, :, None, :] == drafts[:, None, :, :], axis=-1).astype(bool)
@@ -188,7 +193,7 @@ def propose_tree(context: DraftContext, depth: int, topk: int, nodes: int,
   tokens = flat(drafts)
   tokens = jnp.where(real, tokens, tokens[:, :1])
   return (tokens, jnp.where(real, depths, 1), jnp.where(real, parents, 0),
-          jnp.where(real[:, :, None], ancestors & real[:, None, :], eye))
+          jnp.where(real[:, :, None], ancestors & real[:, None, :], eye), matched[:, 0])
 
 
 def append(context: DraftContext, tokens: jax.Array, counts: jax.Array) -> DraftContext:

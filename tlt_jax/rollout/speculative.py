@@ -383,26 +383,18 @@ def _ngram_tree(root: jax.Array, drafts: tuple[jax.Array, ...]) -> VerifyTree:
                     draft_probs=None)
 
 
-def _point_mass_probs(chain: VerifyTree, vocab_size: int) -> VerifyTree:
-  """A chain of point masses with its q written out: one-hot on each node's only child
-  (the leaf's row is never read). Recursive rejection reads it exactly as it reads
-  `draft_probs=None`, so a batch can mix these rows with a learned tree's."""
-  children = jnp.concatenate([chain.tokens[:, 1:], chain.tokens[:, -1:]], axis=1)
-  return chain._replace(draft_probs=jax.nn.one_hot(children, vocab_size, dtype=jnp.float32))
-
-
 def _hybrid_tree(key, params, drafter, head, vocab_ids, config, strategy, sampling,
-                 ngram_config, attention_impl, rules, state: SpecState,
-                 use_learned: jax.Array) -> tuple[SpecState, VerifyTree]:
-  """Per row, the learned drafter's tree where `use_learned` [B], else the model-free chain.
+                 attention_impl, rules, state: SpecState, chain: VerifyTree,
+                 use_learned: jax.Array) -> tuple[SpecState, VerifyTree, jax.Array | None]:
+  """Per row, the learned drafter's tree where `use_learned` [B], else the model-free
+  `chain`. Also returns, when sampling, which nodes are point masses [B, V] (a model-free
+  row's): recursive rejection then never reads their q rows, so none is written out.
 
   The drafter always catches up on the accepted pairs, so it conditions on every emitted
   token whichever kind drafted it, but grows its tree only when a live row picked it:
   a step all model-free pays no drafter head."""
-  chain = _chain_tree(state.base.last_tokens,
-                      ngram.propose_chain(state.context, strategy.depth, ngram_config))
-  if not sampling.greedy:
-    chain = _point_mass_probs(chain, config.vocab_size)
+  if not sampling.greedy:   # the learned branch's shape; a point mass's q is never read
+    chain = chain._replace(draft_probs=jnp.zeros(chain.tokens.shape + (config.vocab_size,)))
 
   # The branches take and return the drafter's cache alone: with the whole state (the
   # target's cache included) as the conditional's operand, a step cost ~15% more (batch 4).
@@ -420,19 +412,23 @@ def _hybrid_tree(key, params, drafter, head, vocab_ids, config, strategy, sampli
                                       model_free, state.draft_cache)
   state = state.replace(draft_cache=draft_cache)
   pick = lambda a, b: jnp.where(use_learned.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
-  return state, jax.tree.map(pick, drafted, chain)
+  tree = drafted._replace(tokens=pick(drafted.tokens, chain.tokens),
+                          depths=pick(drafted.depths, chain.depths),
+                          parents=pick(drafted.parents, chain.parents),
+                          mask=pick(drafted.mask, chain.mask))
+  point_mass = None if sampling.greedy else jnp.broadcast_to(~use_learned[:, None],
+                                                             tree.tokens.shape)
+  return state, tree, point_mass
 
 
 def _merged_tree(key, params, drafter, head, vocab_ids, config, strategy, sampling,
-                 ngram_config, attention_impl, rules, state: SpecState
+                 attention_impl, rules, state: SpecState, chain: VerifyTree
                  ) -> tuple[SpecState, VerifyTree, jax.Array]:
   """One verify tree of the strategy's `depth + 1` tokens holding both drafts: the
-  model-free chain, tried first, and the learned drafter's chain, both from the root
-  (`hybrid.merge_split`). Also returns which nodes are point masses [B, V]: recursive
-  rejection tries the chain's head as one and the learned head as a draw from q."""
+  model-free `chain` (`hybrid.merge_split`'s depth), tried first, and the learned
+  drafter's chain, both from the root. Also returns which nodes are point masses [B, V]:
+  recursive rejection tries the chain's head as one and the learned head as a draw from q."""
   ngram_depth, learned_depth = hybrid_lib.merge_split(strategy.depth)
-  chain = _chain_tree(state.base.last_tokens,
-                      ngram.propose_chain(state.context, ngram_depth, ngram_config))
   # The learned chain's own shape, with the strategy's rank counts (a chain draws one
   # child per node, so they shape nothing: `_propose` keeps its one draw).
   sub = SpecStrategy(learned_depth, 1, learned_depth + 1)
@@ -500,15 +496,21 @@ def spec_step(params: Params, drafter: DrafterParams | None, head: jax.Array | N
   draft_sampling = dataclasses.replace(sampling, temperature=sampling.temperature * ratio)
   merged = kind == "hybrid" and hybrid.merge
   point_mass = None
+  matched = jnp.zeros_like(base.num_generated)   # the model-free draft's match length
+  if kind == "hybrid" or (kind == "ngram" and strategy.topk == 1):
+    drafts, matched = ngram.propose_chain(
+        state.context, hybrid_lib.merge_split(depth)[0] if merged else depth, ngram_config)
+    chain = _chain_tree(base.last_tokens, drafts)
+  full_match = None if ngram_config is None else matched >= ngram_config.max_ngram
   if merged:
     state, tree, point_mass = _merged_tree(draft_key, params, drafter, head, vocab_ids, config,
-                                           strategy, draft_sampling, ngram_config,
-                                           attention_impl, rules, state)
+                                           strategy, draft_sampling, attention_impl, rules,
+                                           state, chain)
   elif kind == "hybrid":
-    use_learned = hybrid_lib.pick_learned(state.hybrid, hybrid, depth + 1, live)
-    state, tree = _hybrid_tree(draft_key, params, drafter, head, vocab_ids, config, strategy,
-                               draft_sampling, ngram_config, attention_impl, rules, state,
-                               use_learned)
+    use_learned = hybrid_lib.pick_learned(state.hybrid, hybrid, depth + 1, live, full_match)
+    state, tree, point_mass = _hybrid_tree(draft_key, params, drafter, head, vocab_ids,
+                                           config, strategy, draft_sampling, attention_impl,
+                                           rules, state, chain, use_learned)
   elif kind == "learned":
     use_learned = jnp.ones_like(live)
     state, tree = _learned_tree(draft_key, params, drafter, head, vocab_ids, config, strategy,
@@ -516,11 +518,12 @@ def spec_step(params: Params, drafter: DrafterParams | None, head: jax.Array | N
   else:
     use_learned = jnp.zeros_like(live)
     if strategy.topk == 1:
-      tree = _chain_tree(base.last_tokens, ngram.propose_chain(state.context, depth,
-                                                               ngram_config))
+      tree = chain
     else:
-      tree = _ngram_tree(base.last_tokens, ngram.propose_tree(
-          state.context, depth, strategy.topk, strategy.verify_tokens - 1, ngram_config))
+      *nodes, matched = ngram.propose_tree(state.context, depth, strategy.topk,
+                                           strategy.verify_tokens - 1, ngram_config)
+      tree = _ngram_tree(base.last_tokens, nodes)
+      full_match = matched >= ngram_config.max_ngram
     if learned:
       state = _caught_up(params, drafter, config, attention_impl, rules, state)
 
@@ -564,7 +567,7 @@ def spec_step(params: Params, drafter: DrafterParams | None, head: jax.Array | N
     state = state.replace(context=ngram.append(state.context, emitted, new_tokens))
   if hybrid is not None:
     state = state.replace(hybrid=hybrid_lib.record(state.hybrid, hybrid, use_learned,
-                                                   new_tokens, live))
+                                                   new_tokens, live, full_match))
   if not learned:
     return state
   # Pending pairs are padded to the rollout's pend width (shared by all its strategies).
