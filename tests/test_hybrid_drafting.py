@@ -49,8 +49,9 @@ def _picks(live, learned_emits, ngram_emits, steps=40, short_emits=None,
 def test_pick_follows_tokens_per_unit_cost():
   """Untried kinds start optimistic (ties go model-free, the cheaper), so each is tried at
   once; then a row mostly plays the kind with more tokens per unit cost, and now and then
-  retries the other as its counts fade. The drafter's cost is the batch's: once a row
-  runs it, the others pick by tokens per step alone. Finished rows record nothing."""
+  retries the other as its counts fade. The drafter's cost is the batch's: it runs when
+  it raises the batch's tokens per unit cost, and then each row picks by tokens per step
+  alone. Finished rows record nothing."""
   # Alone, 4 learned tokens a step cost more than 3 model-free ones (4 / 1.5 < 3).
   picks, steps = _picks([True], [4], [3])
   assert not picks[0, 0] and picks[1, 0] and steps[0, 1] >= 36
@@ -59,6 +60,10 @@ def test_pick_follows_tokens_per_unit_cost():
   assert not picks[0].any() and picks[1, :2].all()
   assert steps[0, 0] >= 36 and steps[1, 0] >= 30 and 1 <= steps[1, 1]
   assert steps[2].tolist() == [0, 0] and steps[:2].sum() == 80
+  # A row whose drafter would pay alone (5 / 1.5 > 3) does not make a batch whose other
+  # row drafts 5 model-free pay it: 10 tokens / 1.5 < 8.
+  picks, steps = _picks([True, True], [1, 5], [5, 3])
+  assert not picks.any() and steps[:, 1].tolist() == [40, 40]
   # Beside a paying row, a row whose chain emits 5 after a full-length match and 1 after a
   # shorter one, against its drafter's 3, drafts model-free exactly on full-match steps.
   picks, _ = _picks([True, True], [5, 3], [1, 5], steps=60, short_emits=[1, 1],

@@ -7,17 +7,19 @@ before the step: a chain copying a sibling's sentence and one guessing from a si
 token are different drafters). Each row counts, per arm, the verify steps it drafted and
 the tokens they emitted, discounted by `memory` every step so that a row follows its text
 (a sibling ahead makes n-gram drafts good; a new stretch of reasoning makes them bad). An
-arm's rate is its discounted tokens per step over its cost: a model-free step costs one
-verify pass, a learned one `1 + draft_cost` (its drafter tree), a cost the batch shares
-(`pick_learned`); a step's chain competes with the arm of its context.
+arm's rate is its discounted tokens per step; a step's chain competes with the arm of its
+context. A model-free step costs one verify pass, a learned one `1 + draft_cost` (its
+drafter tree), a cost the batch shares: the drafter runs when it raises the batch's
+tokens per unit time (`pick_learned`).
 All arms start from an optimistic prior (every step emits the most a step can, with the
 weight of a tenth of a step), so each is tried at once, and one not picked for a while
 drifts back to that prior and is tried again: an arm emitting half the other's rate
 is retried about once in 14 steps (memory 0.95), a light exploration. Ties go to the
 model-free chain, the cheaper one.
 
-The pick reads only earlier steps' outcomes and text, never this step's draws: the verified draft
-is fixed before them, so verification stays exact whichever kind a row picks.
+The pick reads only earlier steps' outcomes and text, never this step's draws: the
+verified draft is fixed before them, so verification stays exact whichever kind a row
+picks.
 
 `merge` selects the other design, one tree holding both drafts (see `HybridConfig`); its
 counts then record which kind's draft the accepted path took (model-free when none was
@@ -92,27 +94,24 @@ def merge_split(depth: int) -> tuple[int, int]:
   return depth - depth // 2, depth // 2
 
 
-def _arm(learned: jax.Array, full_match: jax.Array) -> jax.Array:
-  return jnp.where(learned, _LEARNED, jnp.where(full_match, _FULL_MATCH, _SHORT_MATCH))
-
-
 def pick_learned(stats: HybridStats, config: HybridConfig, most_tokens: int,
                  live: jax.Array, full_match: jax.Array) -> jax.Array:
-  """[B] bool: the rows whose learned drafter has the higher rate than this step's
-  model-free chain, whose arm is set by `full_match` [B] (its match has `max_ngram`
-  tokens). most_tokens: the most one verify step can emit (depth + 1), the optimistic prior.
+  """[B] bool: the rows the learned drafter drafts this step. Each row's model-free arm is
+  set by `full_match` [B] (its chain follows a match of `max_ngram` tokens). most_tokens:
+  the most one verify step can emit (depth + 1), the optimistic prior.
 
-  The drafter's cost is the batch's, not a row's: once a live row's pick runs it, every
-  row drafts with whichever kind emits more per step (a row that keeps the chain then
-  saves nothing and only loses tokens: at batch 4 on SmolLM2, T=1, picking by cost alone
-  ran at 37-41 tokens/s against the learned drafter's 49-62)."""
+  The drafter's cost is the batch's, not a row's: it runs when the batch's expected
+  tokens per unit time are higher with it (each live row then drafting with whichever
+  kind emits more per step: a row that kept the chain would save nothing and only lose
+  tokens) than without it. So one row's optimism about its drafter does not make the
+  whole batch pay a drafter step (at batch 16, T=0, some row always wanted to retry it)."""
   per_step = ((stats.recent_tokens + _PRIOR_STEPS * most_tokens)
               / (stats.recent_steps + _PRIOR_STEPS))
   learned = per_step[:, _LEARNED]
-  chain = jnp.take_along_axis(per_step, _arm(False, full_match)[:, None], axis=1)[:, 0]
-  worth_its_cost = learned / (1.0 + config.draft_cost) > chain
-  drafter_runs = jnp.any(worth_its_cost & live)
-  return jnp.where(drafter_runs, learned > chain, worth_its_cost)
+  chain = jnp.where(full_match, per_step[:, _FULL_MATCH], per_step[:, _SHORT_MATCH])
+  with_drafter = jnp.sum(jnp.where(live, jnp.maximum(learned, chain), 0.0))
+  without = jnp.sum(jnp.where(live, chain, 0.0))
+  return (with_drafter / (1.0 + config.draft_cost) > without) & (learned > chain)
 
 
 def record(stats: HybridStats, config: HybridConfig, learned: jax.Array, emitted: jax.Array,
@@ -122,7 +121,8 @@ def record(stats: HybridStats, config: HybridConfig, learned: jax.Array, emitted
   `emitted` [B] tokens."""
   used = jnp.stack([learned, ~learned], axis=1) & live[:, None]             # [B, 2]
   gained = jnp.where(used, emitted[:, None], 0)
-  arm = (jnp.arange(3)[None, :] == _arm(learned, full_match)[:, None]) & live[:, None]
+  arm = jnp.where(learned, _LEARNED, jnp.where(full_match, _FULL_MATCH, _SHORT_MATCH))
+  arm = (jnp.arange(3)[None, :] == arm[:, None]) & live[:, None]
   fade = jnp.where(live[:, None], config.memory, 1.0)
   return HybridStats(steps=stats.steps + used, tokens=stats.tokens + gained,
                      recent_steps=fade * stats.recent_steps + arm,
