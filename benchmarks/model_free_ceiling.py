@@ -65,7 +65,8 @@ _MAX_NGRAM = flags.DEFINE_integer("max_ngram", 4, "Our chain's longest suffix ma
                                   "(as benchmarks/model_free.py's).", lower_bound=1)
 _DRAFT_COSTS = flags.DEFINE_list("draft_costs", ["0.2"], "The learned drafter's time per "
                                  "verify step, in verify steps (d): one bound each (measure "
-                                 "d at each live batch size).")
+                                 "d at each live batch size; 0 bounds a batch whose drafter "
+                                 "runs anyway, where a row's pick changes only its accepts).")
 
 _TASKS = ["gsm_symbolic", "basic_arithmetic", "chain_sum"]
 
