@@ -22,7 +22,7 @@ issue 17's hybrid speed goal. Along the same responses, a learned chain's level 
 position t is accepted with probability a_j(t) = sum_v min(p, q_j): q_j from the drafter
 unrolled along the sampled text (as its training-time test does), p from the target. Two
 model-free chains: the oracle one, level j accepted with m_{t+j} as above (one node a
-level); and ours, tlt_jax/rollout/ngram.py's chain replayed on the host over the same
+level); and ours, tlt_jax/rollout/ngram.py's chain proposed at each position of the same
 text, whose point-mass level is accepted exactly when the sampled token equals its draft
 (the coupling that makes the emitted text plain sampling's). A model-free step costs one
 verify pass, a learned one 1 + d (d, the drafter's time, measured by the caller at each
@@ -93,28 +93,25 @@ def successor_mass(probs, text, start: int, earlier: list[list[int]], nodes: int
 
 
 def chain_accepts(text, start: int, earlier: list[list[int]], max_ngram: int, depth: int):
-  """[n, depth] 0/1: for each position t >= start of `text`, whether level j of the n-gram
-  chain a step starting there drafts (ngram.py's rule: the longest match of the last
-  <= max_ngram tokens in text[:t] or the earlier texts, then the latest position; the
-  tokens after it, cycling) is accepted: its draft and the ones before it equal the text."""
+  """[n, depth] 0/1: for each position t >= start of `text`, whether level j of the chain
+  `ngram.propose_chain` drafts for a step starting there (from text[:t] and the earlier
+  texts) is accepted: its draft and the ones before it equal the text."""
   import numpy as np
+
+  from tlt_jax.rollout import ngram
+  config = ngram.NgramConfig(max_ngram=max_ngram)
+  # One pool length for every call of a response: one program.
+  length = max(len(t) for t in [text] + earlier)
   out = np.zeros((len(text) - start, depth))
   for t in range(start, len(text)):
-    own = text[:t]
-    best = (0, -1, None)            # (match length, end position, source)
-    for source in [own] + earlier:
-      for end in range(len(source) - 1):        # a match needs a token after it
-        k = 0
-        while k < max_ngram and k <= end and source[end - k] == own[-1 - k]:
-          k += 1
-        if k and (k, end) > best[:2]:
-          best = (k, end, source)
-    k, end, source = best
-    if not k:
+    context = ngram.build_context([text[:t]] + earlier, [0] * (1 + len(earlier)),
+                                  np.array([0]), length)
+    drafts, matched = ngram.propose_chain(context, depth, config)
+    if not int(matched[0]):
       continue
-    period = len(source) - 1 - end
+    drafts = np.asarray(drafts)[0]
     for j in range(min(depth, len(text) - t)):
-      if source[end + 1 + j % period] != text[t + j]:
+      if drafts[j] != text[t + j]:
         break
       out[t - start, j] = 1.0
   return out

@@ -261,9 +261,9 @@ def test_hybrid_bound_dynamic_programming():
 
 
 def test_ceiling_replays_the_ngram_chain():
-  """benchmarks/model_free_ceiling.py's host replay of ngram.py's chain: the longest match
-  (then the latest), its continuation cycling, accepted level by level while it equals the
-  text; no match drafts nothing."""
+  """benchmarks/model_free_ceiling.py's acceptance of ngram.py's chain along a text: the
+  longest match (then the latest), its continuation cycling, accepted level by level
+  while it equals the text; no match drafts nothing."""
   from benchmarks.model_free_ceiling import chain_accepts
   prompt = [1, 2, 3]
   sibling = [1, 2, 3, 4, 5, 6, 9]

@@ -496,34 +496,34 @@ def spec_step(params: Params, drafter: DrafterParams | None, head: jax.Array | N
   draft_sampling = dataclasses.replace(sampling, temperature=sampling.temperature * ratio)
   merged = kind == "hybrid" and hybrid.merge
   point_mass = None
-  matched = jnp.zeros_like(base.num_generated)   # the model-free draft's match length
-  if kind == "hybrid" or (kind == "ngram" and strategy.topk == 1):
+  # The model-free draft, and whether it follows a full `max_ngram` match (the hybrid's
+  # pick and counts read it; a learned step has none).
+  if kind == "ngram" and strategy.topk > 1:
+    *nodes, matched = ngram.propose_tree(state.context, depth, strategy.topk,
+                                         strategy.verify_tokens - 1, ngram_config)
+    model_free = _ngram_tree(base.last_tokens, nodes)
+  elif kind != "learned":
     drafts, matched = ngram.propose_chain(
         state.context, hybrid_lib.merge_split(depth)[0] if merged else depth, ngram_config)
-    chain = _chain_tree(base.last_tokens, drafts)
-  full_match = None if ngram_config is None else matched >= ngram_config.max_ngram
+    model_free = _chain_tree(base.last_tokens, drafts)
+  full_match = (jnp.zeros_like(live) if kind == "learned"
+                else matched >= ngram_config.max_ngram)
   if merged:
     state, tree, point_mass = _merged_tree(draft_key, params, drafter, head, vocab_ids, config,
                                            strategy, draft_sampling, attention_impl, rules,
-                                           state, chain)
+                                           state, model_free)
   elif kind == "hybrid":
     use_learned = hybrid_lib.pick_learned(state.hybrid, hybrid, depth + 1, live, full_match)
     state, tree, point_mass = _hybrid_tree(draft_key, params, drafter, head, vocab_ids,
                                            config, strategy, draft_sampling, attention_impl,
-                                           rules, state, chain, use_learned)
+                                           rules, state, model_free, use_learned)
   elif kind == "learned":
     use_learned = jnp.ones_like(live)
     state, tree = _learned_tree(draft_key, params, drafter, head, vocab_ids, config, strategy,
                                 draft_sampling, attention_impl, rules, state)
   else:
     use_learned = jnp.zeros_like(live)
-    if strategy.topk == 1:
-      tree = chain
-    else:
-      *nodes, matched = ngram.propose_tree(state.context, depth, strategy.topk,
-                                           strategy.verify_tokens - 1, ngram_config)
-      tree = _ngram_tree(base.last_tokens, nodes)
-      full_match = matched >= ngram_config.max_ngram
+    tree = model_free
     if learned:
       state = _caught_up(params, drafter, config, attention_impl, rules, state)
 
