@@ -3,10 +3,10 @@
 The device machine has jax, flax, optax, orbax, triton and transformers, but no
 reasoning-gym, no gguf reader, no jax-triton and no model hub, and one call carries at
 most 64 MiB, working tree included, less than the 98 MB SmolLM2 GGUF. So:
-  gpu_bundle/part1/  the GGUF's first bytes, as many as fit beside the working tree
+  gpu_bundle/part1/  the gguf and jax-triton wheels (the kernels' checks need them first),
+                     and the GGUF's first bytes, as many as fit beside the working tree
   gpu_bundle/part2/  the rest of it and its sha256, the drafter export (safetensors +
-                     config), the benchmark's questions (--write_questions), the gguf and
-                     jax-triton wheels
+                     config), the benchmarks' questions (--write_questions)
 
   python benchmarks/gpu_bundle.py [--drafter=DIR]
 then benchmarks/gpu_check.sh says how to run it there.
@@ -61,19 +61,25 @@ def main(argv):
   staging = out + ".partial"          # renamed into place when complete
   shutil.rmtree(staging, ignore_errors=True)
   part1, part2 = os.path.join(staging, "part1"), os.path.join(staging, "part2")
-  for d in (part1, part2, os.path.join(part2, "drafter"), os.path.join(part2, "wheels")):
+  for d in (part1, part2, os.path.join(part2, "drafter"), os.path.join(part1, "wheels")):
     os.makedirs(d)
+  # Pure-Python wheels: the same file serves the device's Python 3.12.
+  for requirement in (f"gguf=={importlib.metadata.version('gguf')}", JAX_TRITON):
+    print(f"downloading {requirement} ...", file=sys.stderr)
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                    "--only-binary=:all:", "-d", os.path.join(part1, "wheels"), requirement],
+                   check=True)
 
   with open(gguf, "rb") as f:
     data = f.read()
-  # Part 1 takes all the GGUF that fits beside the working tree; part 2 the rest.
+  # Part 1 takes all the GGUF that fits beside the working tree and the wheels; part 2 the rest.
   tree = working_tree_bytes()
-  cut = min(len(data), CALL_BYTES - tree - MARGIN_BYTES)
+  cut = min(len(data), CALL_BYTES - tree - MARGIN_BYTES - folder_bytes(part1))
   for directory, chunk in ((part1, data[:cut]), (part2, data[cut:])):
     with open(os.path.join(directory, "smollm2.gguf.part"), "wb") as f:
       f.write(chunk)
   with open(os.path.join(part2, "smollm2.gguf.sha256"), "w") as f:
-    f.write(f"{hashlib.sha256(data).hexdigest()}  /tmp/smollm2.gguf\n")
+    f.write(hashlib.sha256(data).hexdigest())
   for name in DRAFTER_FILES:
     shutil.copy(os.path.join(_DRAFTER.value, name), os.path.join(part2, "drafter", name))
 
@@ -81,13 +87,6 @@ def main(argv):
   subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "rollout.py"),
                   f"--accept_prompts={_ACCEPT_PROMPTS.value}",
                   f"--write_questions={os.path.join(part2, 'questions.json')}"], check=True)
-  # Pure-Python wheels: the same file serves the device's Python 3.12.
-  for requirement in (f"gguf=={importlib.metadata.version('gguf')}", JAX_TRITON):
-    print(f"downloading {requirement} ...", file=sys.stderr)
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
-                    "--only-binary=:all:", "-d", os.path.join(part2, "wheels"), requirement],
-                   check=True)
-
   sizes = {part: folder_bytes(os.path.join(staging, part)) for part in ("part1", "part2")}
   if tree + sizes["part2"] + MARGIN_BYTES > CALL_BYTES:
     shutil.rmtree(staging)

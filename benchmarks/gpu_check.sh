@@ -2,57 +2,91 @@
 # The GPU check: run on the device machine from the repo root, after
 # `python benchmarks/gpu_bundle.py --drafter=DIR` here. Two calls, because one carries at
 # most 64 MiB and the SmolLM2 GGUF is 98 MB; the second must come while the machine is
-# still warm (files outside the repo stay there until it is given back):
+# still warm (files outside the repo, under $STAGE, stay there until it is given back):
 #   1. carry ["gpu_bundle/part1"]:  bash benchmarks/gpu_check.sh stage
-#   2. carry ["gpu_bundle/part2"]:  bash benchmarks/gpu_check.sh run [rollout.py flags]
-# `run` writes under $OUT: gpu_tests.log, tree_attention_gpu.json, rollout_gpu.json and
-# rollout_gpu.log (each finished setting is a JSON line there, so a run cut short still
-# reports). Extra flags go to benchmarks/rollout.py after the defaults below (later wins).
+#      stages the GGUF's first part and the wheels, then runs what needs no model: the
+#      kernels against their references (compiled, not interpreted), the drafter's training
+#      step through each kernel, and SD's exactness tests on the GPU's numerics; then times
+#      the kernels. Writes gpu_tests.log and tree_attention_gpu.json under $OUT.
+#   2. carry ["gpu_bundle/part2"]:  bash benchmarks/gpu_check.sh run
+#      the rollout benchmarks on SmolLM2: the long tail, model-free / hybrid drafting,
+#      and fixed batches. Writes NAME_gpu.json and NAME_gpu.log under $OUT for NAME in
+#      rollout_tail, model_free, rollout_fixed; each finished setting is a JSON line in the
+#      log, so a run cut short by its time limit still reports.
+# Each step runs under its own limit (seconds, the variables below) so one slow compile
+# cannot eat the call's 10 minutes; a failed or timed-out step lets the others run and
+# fails the check at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder for results}"
+: "${STAGE:=/tmp/gpu_check}"
+mkdir -p "$STAGE"
 export PYTHONUNBUFFERED=1
+export PYTHONPATH="$STAGE/site:$PWD"
+# Programs compiled by one step and asked for again by a later one load from here.
+export JAX_COMPILATION_CACHE_DIR="$STAGE/jax_cache"
+: "${TESTS_S:=120}" "${KERNEL_BENCH_S:=40}"
+: "${TAIL_S:=150}" "${MODEL_FREE_S:=190}" "${FIXED_S:=140}"
+
+failed=()
+step() {   # step NAME SECONDS COMMAND...: runs COMMAND under a limit, records a failure
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (limit ${limit}s)" >&2
+  timeout --kill-after=10 "$limit" "$@" || failed+=("$name (exit $?)")
+}
 
 case "${1:-}" in
   stage)
-    cp gpu_bundle/part1/smollm2.gguf.part /tmp/smollm2.gguf.part1
-    echo "staged $(du -h /tmp/smollm2.gguf.part1 | cut -f1) of the GGUF in /tmp"
+    part=gpu_bundle/part1
+    cp "$part/smollm2.gguf.part" "$STAGE/smollm2.gguf.part1"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$STAGE/site" \
+      "$part"/wheels/*.whl
+    (nvidia-smi -L || true; python3 -c 'import jax; print("jax", jax.__version__, jax.devices())') \
+      2>&1 | tee "$OUT/gpu_tests.log"
+    step "kernel and exactness tests" "$TESTS_S" bash -c 'set -o pipefail; python3 -m pytest \
+      -q -rs -p no:cacheprovider tests/test_tree_attention.py \
+      "tests/test_drafter_training.py::test_train_step_with_every_attention_impl" \
+      tests/test_speculative.py::test_greedy_sd_is_token_identical \
+      tests/test_speculative.py::test_pallas_verify_attention_gives_the_same_tokens \
+      tests/test_model_free.py::test_model_free_greedy_is_token_identical \
+      tests/test_hybrid_drafting.py::test_hybrid_greedy_is_token_identical \
+      2>&1 | tee -a "$OUT/gpu_tests.log"'
+    step "benchmarks/tree_attention.py" "$KERNEL_BENCH_S" \
+      python3 benchmarks/tree_attention.py --output "$OUT/tree_attention_gpu.json"
     ;;
   run)
-    shift
-    bundle=gpu_bundle/part2
-    cat /tmp/smollm2.gguf.part1 "$bundle/smollm2.gguf.part" > /tmp/smollm2.gguf
-    sha256sum -c "$bundle/smollm2.gguf.sha256"
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-      "$bundle"/wheels/*.whl
-    export PYTHONPATH="/tmp/site:$PWD"
-    (nvidia-smi -L || true; python3 -c 'import jax; print("jax", jax.__version__, jax.devices())') \
-      | tee "$OUT/gpu_tests.log"
-    # The kernels against their references (compiled, not interpreted) and the drafter's
-    # training step through each kernel, then their timing. A failure still lets the
-    # benchmarks run (their figures come back), and fails the check at the end.
-    failed=()
-    python3 -m pytest -q -rs tests/test_tree_attention.py \
-      "tests/test_drafter_training.py::test_train_step_with_every_attention_impl" \
-      -p no:cacheprovider 2>&1 | tee -a "$OUT/gpu_tests.log" || failed+=("kernel tests")
-    python3 benchmarks/tree_attention.py --output "$OUT/tree_attention_gpu.json" \
-      || failed+=("benchmarks/tree_attention.py")
-    # Sized for one 10-minute call: SD pays up to larger batches on a GPU, so the tail
-    # threshold is 16 (the CPU runs use 2).
-    python3 benchmarks/rollout.py --model=/tmp/smollm2.gguf --drafter="$bundle/drafter" \
-      --questions_json="$bundle/questions.json" --batches=1,4,16 --temperatures=0,1 \
-      --strategies=4_1_5,8_4_16 --repeats=2 --max_new_tokens=128 --batch1_prompts=4 \
-      --tail_rows=64 --tail_cap=512 --tail_strategy=4_1_5 --tail_threshold=16 \
-      --tail_repeats=2 --accept_prompts=12 --accept_strategies=8_4_16,8_8_32 \
-      --output="$OUT/rollout_gpu.json" "$@" 2>&1 | tee "$OUT/rollout_gpu.log" \
-      || failed+=("benchmarks/rollout.py")
-    if ((${#failed[@]})); then
-      echo "gpu_check: FAILED: ${failed[*]} (see $OUT/gpu_tests.log)" >&2
-      exit 1
-    fi
+    part=gpu_bundle/part2
+    gguf="$STAGE/smollm2.gguf"
+    cat "$STAGE/smollm2.gguf.part1" "$part/smollm2.gguf.part" > "$gguf"
+    echo "$(cat "$part/smollm2.gguf.sha256")  $gguf" | sha256sum -c
+    model=(--model="$gguf" --drafter="$part/drafter"
+           --questions_json="$part/questions.json")
+    bench() {   # bench NAME SECONDS SCRIPT FLAGS...: JSON to NAME_gpu.json, log beside it
+      local name=$1 limit=$2 script=$3
+      shift 3
+      step "$name" "$limit" bash -c 'set -o pipefail; "$@" 2>&1 | tee "$OUT/'"$name"'_gpu.log"' \
+        _ python3 "$script" "${model[@]}" --output="$OUT/${name}_gpu.json" "$@"
+    }
+    # Compiling whole program pools (100-150 programs a setting) would not fit the call:
+    # each benchmark compiles what its warm-up runs reach (new_programs_timed counts the
+    # rest). SD pays up to larger batches on a GPU, so the tail switches it on at 16 live
+    # rows (the CPU runs use 2-8).
+    bench rollout_tail "$TAIL_S" benchmarks/rollout.py --noprecompile --skip_fixed \
+      --accept_prompts=0 --tail_rows=64 --tail_cap=512 --tail_strategy=4_1_5 \
+      --tail_threshold=16 --tail_repeats=2
+    bench model_free "$MODEL_FREE_S" benchmarks/model_free.py --noprecompile --batches=4,16 \
+      --temperatures=1,0 --prompts=2 --repeats=2 --variants=learned,ngram_epoch,hybrid
+    bench rollout_fixed "$FIXED_S" benchmarks/rollout.py --noprecompile --tail_rows=0 \
+      --accept_prompts=0 --batches=1,4,16 --temperatures=0,1 --strategies=4_1_5 --repeats=2 \
+      --batch1_prompts=2
     ;;
   *)
-    echo "usage: bash benchmarks/gpu_check.sh stage|run [rollout.py flags]" >&2
+    echo "usage: bash benchmarks/gpu_check.sh stage|run" >&2
     exit 2
     ;;
 esac
+if ((${#failed[@]})); then
+  echo "gpu_check: FAILED: ${failed[*]} (logs under \$OUT)" >&2
+  exit 1
+fi

@@ -29,6 +29,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import questions  # noqa: E402
 from benchmarks.report import emit  # noqa: E402
 from absl import flags  # noqa: E402
 from experiments import cli  # noqa: E402
@@ -57,7 +58,6 @@ _VARIANTS = flags.DEFINE_list("variants", None, "Run only these variants (plain 
 _PROMPTS = flags.DEFINE_integer("prompts", None, "Prompts (groups); default enough for the "
                                 "largest batch, at least 1.", lower_bound=1)
 
-_TASKS = ["gsm_symbolic", "basic_arithmetic", "chain_sum"]
 VARIANTS = ("plain", "learned", "ngram_prompt", "ngram_siblings", "ngram_epoch", "hybrid",
             "hybrid_merge")
 # What each variant's rows draft from: (drafter kind, the group's rows, earlier siblings'
@@ -128,7 +128,6 @@ def main(argv):
   import jax
   import jax.numpy as jnp
 
-  from tlt_jax.data.tasks import build_questions
   from tlt_jax.drafter.trainer import load_drafter
   from tlt_jax.errors import UserInputError
   from tlt_jax.models.loading import load_model
@@ -159,14 +158,14 @@ def main(argv):
   strategy = SpecStrategy.parse(_STRATEGY.value)
   ngram_strategy = (strategy if _NGRAM_STRATEGY.value is None
                     else SpecStrategy.parse(_NGRAM_STRATEGY.value, "--ngram_strategy"))
+  asked = questions.load({"main": (questions.MAIN_TASKS, num_prompts, _SEED.value)})["main"]
   model = load_model(_MODEL.value, dtype=jnp.float32)
   params = unstack_layers(model.params)   # the rollout's layout, once for every rollout
   tokenizer = model.tokenizer
   drafter, vocab_ids = load_drafter(_DRAFTER.value, model.config)
   vocab_ids = None if vocab_ids is None else jnp.asarray(vocab_ids)
   eos = tuple(tokenizer.eos_token_ids)
-  prompts = [tokenizer.chat_prompt(q)
-             for _, q in build_questions(_TASKS, num_prompts, _SEED.value)]
+  prompts = [tokenizer.chat_prompt(q) for q in asked]
   ngram_config = NgramConfig(max_ngram=_MAX_NGRAM.value)
   sd = dict(strategy=strategy, patience=0)
   hybrid = lambda batch, merge: SpecConfig(

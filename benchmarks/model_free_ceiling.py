@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import flags  # noqa: E402
 
+from benchmarks import questions  # noqa: E402
 from benchmarks.report import emit  # noqa: E402
 from experiments import cli  # noqa: E402
 from tlt_jax.errors import UserInputError  # noqa: E402
@@ -68,7 +69,6 @@ _DRAFT_COSTS = flags.DEFINE_list("draft_costs", ["0.2"], "The learned drafter's 
                                  "d at each live batch size; 0 bounds a batch whose drafter "
                                  "runs anyway, where a row's pick changes only its accepts).")
 
-_TASKS = ["gsm_symbolic", "basic_arithmetic", "chain_sum"]
 
 
 def successor_mass(probs, text, start: int, earlier: list[list[int]], nodes: int):
@@ -196,7 +196,6 @@ def main(argv):
   import jax.numpy as jnp
   import numpy as np
 
-  from tlt_jax.data.tasks import build_questions
   from tlt_jax.drafter.trainer import load_drafter, unrolled_forward
   from tlt_jax.models import transformer
   from tlt_jax.models.drafter import draft_head, draft_logits
@@ -204,11 +203,11 @@ def main(argv):
   from tlt_jax.rollout.engine import generate
   from tlt_jax.rollout.sampling import SamplingParams
 
+  asked = questions.load({"main": (questions.MAIN_TASKS, _PROMPTS.value, _SEED.value)})["main"]
   model = load_model("smollm2", dtype=jnp.float32)
   params, config = model.params, model.config
   eos = tuple(model.tokenizer.eos_token_ids)
-  prompts = [model.tokenizer.chat_prompt(q)
-             for _, q in build_questions(_TASKS, _PROMPTS.value, _SEED.value)]
+  prompts = [model.tokenizer.chat_prompt(q) for q in asked]
   sampling = SamplingParams(temperature=_TEMPERATURE.value)
   temperature = _TEMPERATURE.value
   depth = _DEPTH.value

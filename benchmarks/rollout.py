@@ -28,21 +28,15 @@ import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import questions  # noqa: E402
 from benchmarks.report import emit  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402
 from experiments import cli  # noqa: E402
-from tlt_jax.errors import UserInputError  # noqa: E402
 
 _MODEL = flags.DEFINE_string("model", "smollm2", "Target: `smollm2` or a path (.gguf file, "
                              "HF dir, converted checkpoint dir).")
 _DRAFTER = flags.DEFINE_string("drafter", "assets/drafter_smollm2", "Warmed-up drafter dir.")
-_QUESTIONS = flags.DEFINE_string(
-    "questions_json", None, "Read the benchmark's questions from this file (written by "
-    "--write_questions) instead of generating them with reasoning-gym.")
-_WRITE_QUESTIONS = flags.DEFINE_string(
-    "write_questions", None, "Write the questions the benchmark uses to this file and exit: "
-    "for a machine without reasoning-gym (--questions_json there).")
 _ATTENTION = flags.DEFINE_enum("attention_impl", "auto", ["auto", "reference", "pallas", "triton"],
                                "Attention kernel (auto: Pallas on GPU, jnp elsewhere).")
 _BATCHES = flags.DEFINE_list("batches", ["1", "4", "16"], "Fixed batch sizes.")
@@ -69,6 +63,11 @@ _TAIL_THRESHOLD = flags.DEFINE_integer("tail_threshold", 8, "SD on at <= this ma
 _TAIL_TEMPERATURE = flags.DEFINE_float(
     "tail_temperature", 0.0, "Long-tail sampling temperature. At 0 both sides emit identical "
     "tokens (SD is exact), so their wall times compare the same work.")
+_PRECOMPILE = flags.DEFINE_bool(
+    "precompile", True, "Compile both sides' whole program pools before timing, so no timed "
+    "run compiles. --noprecompile compiles only what the warm-up runs reach (where compiles "
+    "are slow, e.g. a GPU with minutes to spare); a timed run that compiles shows in "
+    "new_programs_timed.")
 _SKIP_FIXED = flags.DEFINE_bool("skip_fixed", False, "Skip the fixed batches.")
 _ACCEPT_PROMPTS = flags.DEFINE_integer(
     "accept_prompts", 24, "Part 3 (0 skips it): accept length alone, over this many prompts "
@@ -103,35 +102,7 @@ def _tail_share(stats: dict, threshold: int) -> float:
   return (total - tail_from) / total
 
 
-_MAIN_TASKS = ["gsm_symbolic", "basic_arithmetic", "chain_sum"]
-_ACCEPT_TASKS = _MAIN_TASKS + ["leg_counting", "simple_equations", "letter_counting"]
-
-
-def _questions() -> dict:
-  """{"main": questions of parts 1-2, "accept": part 3's}: from --questions_json, or made
-  with reasoning-gym (seeds held out from drafter training)."""
-  need = {"main": max(64, _TAIL_ROWS.value), "accept": _ACCEPT_PROMPTS.value}
-  if _QUESTIONS.value:
-    path = _QUESTIONS.value
-    try:
-      with open(path) as f:
-        questions = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-      raise UserInputError(f"--questions_json={path}: cannot read ({e})") from None
-    for part, count in need.items():
-      got = questions.get(part) if isinstance(questions, dict) else None
-      if not isinstance(got, list) or not all(isinstance(q, str) for q in got):
-        raise UserInputError(f"--questions_json={path}: needs a list of strings under {part!r} "
-                             "(write one with --write_questions)")
-      if len(got) < count:
-        raise UserInputError(f"--questions_json={path}: {len(got)} {part!r} questions, these "
-                             f"flags need {count}")
-    return questions
-  from tlt_jax.data.tasks import build_questions
-  made = lambda tasks, count, seed: [q for _, q in build_questions(tasks, count, seed)]
-  return {"main": made(_MAIN_TASKS, need["main"], _SEED.value),
-          "accept": made(_ACCEPT_TASKS, need["accept"], _SEED.value + 1) if need["accept"]
-          else []}
+_ACCEPT_TASKS = questions.MAIN_TASKS + ["leg_counting", "simple_equations", "letter_counting"]
 
 
 def main(argv):
@@ -149,11 +120,10 @@ def main(argv):
   from tlt_jax.rollout.sampling import SamplingParams
   from tlt_jax.rollout.bandit import BanditConfig, StrategyBandit, parse_strategies
 
-  questions = _questions()
-  if _WRITE_QUESTIONS.value:
-    cli.write_json_atomic(_WRITE_QUESTIONS.value, questions)
-    log(f"wrote {_WRITE_QUESTIONS.value}")
-    return
+  # Parts 1-2 need 64 (batch 16 and the long tail's rows); part 3 its own task mix.
+  asked = questions.load({
+      "main": (questions.MAIN_TASKS, max(64, _TAIL_ROWS.value), _SEED.value),
+      "accept": (_ACCEPT_TASKS, _ACCEPT_PROMPTS.value, _SEED.value + 1)})
   model = load_model(_MODEL.value, dtype=jnp.float32)
   # The rollout's per-layer layout once, as the RL loop makes it once per weight version
   # (batch-1 settings run one generate per prompt).
@@ -162,7 +132,7 @@ def main(argv):
   drafter, vocab_ids = load_drafter(_DRAFTER.value, model.config)
   vocab_ids = None if vocab_ids is None else jnp.asarray(vocab_ids)
   eos = tuple(tokenizer.eos_token_ids)
-  prompts = [tokenizer.chat_prompt(q) for q in questions["main"]]
+  prompts = [tokenizer.chat_prompt(q) for q in asked["main"]]
 
   def spec_for(strategy, threshold, patience, flag):
     strategies = parse_strategies(strategy, flag)
@@ -196,6 +166,8 @@ def main(argv):
   def precompile_both(rollouts, sampling, spec, max_new):
     """Both sides' whole program pools for these rollouts (lists of prompts), so that
     timed runs compile nothing (different draws reach other windows and buckets)."""
+    if not _PRECOMPILE.value:
+      return 0
     return sum(precompile(params, model.config, batch_prompts, max_new_tokens=max_new,
                           sampling=sampling, eos_ids=eos, spec=side,
                           attention_impl=_ATTENTION.value)
@@ -277,6 +249,7 @@ def main(argv):
     precompiled = {side: precompile(params, model.config, tail_prompts,
                                     max_new_tokens=caps, sampling=sampling, eos_ids=eos,
                                     spec=spec, attention_impl=_ATTENTION.value)
+                   if _PRECOMPILE.value else 0
                    for side, spec in (("plain", None), ("adaptive_sd", tail_spec))}
     log(f"precompiled {precompiled} programs in {time.perf_counter() - precompile_start:.0f}s")
     plain, sd = alternate(tail_prompts, sampling, tail_spec, caps, _TAIL_REPEATS.value)
@@ -305,7 +278,7 @@ def main(argv):
     log(json.dumps(report["long_tail"]))
   if _ACCEPT_PROMPTS.value:
     accept_prompts = [tokenizer.chat_prompt(q)
-                      for q in questions["accept"][:_ACCEPT_PROMPTS.value]]
+                      for q in asked["accept"][:_ACCEPT_PROMPTS.value]]
     for temperature in (float(t) for t in _TEMPERATURES.value):
       for strategy in _ACCEPT_STRATEGIES.value:
         log(f"accept T={temperature} strategy={strategy}")

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.sh fails when the kernel tests fail (its benchmarks still run).
+"""benchmarks/gpu_check.sh runs every step of a call and fails when any step failed.
 
 The script runs in a copy of its folder layout with `python3`, `sha256sum` and
 `nvidia-smi` stubbed on PATH; no GPU and nothing from the bundle are needed."""
@@ -18,41 +18,58 @@ def _stub(bin_dir: pathlib.Path, name: str, body: str) -> None:
   path.chmod(path.stat().st_mode | stat.S_IXUSR)
 
 
-def _run_check(tmp_path, pytest_exit: int) -> subprocess.CompletedProcess:
+def _run_check(tmp_path, phase: str, failing: str) -> subprocess.CompletedProcess:
+  """Runs `gpu_check.sh phase` with every python3 call succeeding except those whose
+  arguments contain `failing`."""
   root = tmp_path / "repo"
   (root / "benchmarks").mkdir(parents=True)
   (root / "benchmarks" / "gpu_check.sh").write_text(
       (REPO / "benchmarks" / "gpu_check.sh").read_text())
-  bundle = root / "gpu_bundle" / "part2"
-  (bundle / "wheels").mkdir(parents=True)
-  (bundle / "smollm2.gguf.part").write_text("b")
-  (bundle / "wheels" / "stub.whl").write_text("")
+  for part, payload in (("part1", "a"), ("part2", "b")):
+    (root / "gpu_bundle" / part / "wheels").mkdir(parents=True)
+    (root / "gpu_bundle" / part / "smollm2.gguf.part").write_text(payload)
+    (root / "gpu_bundle" / part / "wheels" / "stub.whl").write_text("")
   bin_dir = tmp_path / "bin"
   bin_dir.mkdir()
   calls = tmp_path / "calls.log"
-  # pytest fails (or not); pip, the benchmarks and the version probe succeed.
   _stub(bin_dir, "python3", f'echo "$*" >> {calls}\n'
-        f'case "$*" in *pytest*) exit {pytest_exit};; esac\nexit 0')
+        f'case "$*" in *"{failing}"*) exit 1;; esac\nexit 0')
   _stub(bin_dir, "sha256sum", "exit 0")
   _stub(bin_dir, "nvidia-smi", "exit 0")
-  part1 = pathlib.Path("/tmp/smollm2.gguf.part1")   # what the `stage` call leaves
-  if not part1.exists():
-    part1.write_text("a")
+  stage = tmp_path / "stage"
+  stage.mkdir()
+  (stage / "smollm2.gguf.part1").write_text("a")   # what the stage call leaves
   out = tmp_path / "out"
   out.mkdir()
-  env = dict(os.environ, OUT=str(out), PATH=f"{bin_dir}:{os.environ['PATH']}")
-  proc = subprocess.run(["bash", str(root / "benchmarks" / "gpu_check.sh"), "run"],
+  env = dict(os.environ, OUT=str(out), STAGE=str(stage),
+             PATH=f"{bin_dir}:{os.environ['PATH']}")
+  proc = subprocess.run(["bash", str(root / "benchmarks" / "gpu_check.sh"), phase],
                         env=env, capture_output=True, text=True, timeout=60)
   proc.calls = calls.read_text()
   return proc
 
 
-@pytest.mark.parametrize("pytest_exit", [0, 1])
-def test_failing_kernel_tests_fail_the_check(tmp_path, pytest_exit):
-  proc = _run_check(tmp_path, pytest_exit)
-  assert "benchmarks/rollout.py" in proc.calls, proc.calls   # the benchmarks still ran
-  if pytest_exit:
+@pytest.mark.parametrize("failing", ["nothing-fails", "-m pytest"])
+def test_stage_runs_the_kernel_benchmark_after_failing_tests(tmp_path, failing):
+  proc = _run_check(tmp_path, "stage", failing)
+  assert "-m pytest" in proc.calls and "benchmarks/tree_attention.py" in proc.calls, proc.calls
+  if failing == "-m pytest":
     assert proc.returncode == 1, proc.stderr
-    assert "FAILED: kernel tests" in proc.stderr
+    assert "FAILED: kernel and exactness tests" in proc.stderr
   else:
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("failing", ["nothing-fails", "--skip_fixed", "model_free.py"])
+def test_run_runs_every_benchmark_and_reports_the_failed_one(tmp_path, failing):
+  proc = _run_check(tmp_path, "run", failing)
+  for script in ("--skip_fixed", "--tail_rows=0", "benchmarks/model_free.py"):
+    assert script in proc.calls, proc.calls
+  assert f"--model={tmp_path}/stage/smollm2.gguf" in proc.calls
+  assert (tmp_path / "stage" / "smollm2.gguf").read_text() == "ab"
+  if failing == "nothing-fails":
+    assert proc.returncode == 0, proc.stderr
+  else:
+    assert proc.returncode == 1, proc.stderr
+    name = {"--skip_fixed": "rollout_tail", "model_free.py": "model_free"}[failing]
+    assert f"FAILED: {name} (exit 1)" in proc.stderr, proc.stderr

@@ -137,15 +137,19 @@ def test_pallas_bfloat16_close_to_reference():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_pallas_lowers_for_cuda(dtype):
-  """Lowering to Triton IR needs no GPU, and enforces its power-of-two and dot rules."""
+  """Lowering to Triton IR needs no GPU, and enforces its power-of-two and dot rules. With
+  no GPU present, jax 0.11 lowers for one it is told of (an abstract device in the mesh)."""
   q = jax.ShapeDtypeStruct((2, 5, 6, 64), dtype)
   cache_kv = jax.ShapeDtypeStruct((2, 2, 50, 64), dtype)
   new_kv = jax.ShapeDtypeStruct((2, 5, 2, 64), dtype)
   cache_mask = jax.ShapeDtypeStruct((2, 5, 50), jnp.bool_)
   new_mask = jax.ShapeDtypeStruct((2, 5, 5), jnp.bool_)
-  lowered = jax.jit(tree_attention_pallas).trace(
-      q, cache_kv, cache_kv, cache_mask, new_kv, new_kv, new_mask).lower(
-          lowering_platforms=("cuda",))
+  h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="gpu")
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
+                                                                abstract_device=h100)):
+    lowered = jax.jit(tree_attention_pallas).trace(
+        q, cache_kv, cache_kv, cache_mask, new_kv, new_kv, new_mask).lower(
+            lowering_platforms=("cuda",))
   assert "triton" in lowered.as_text()
 
 
