@@ -1,7 +1,17 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures and settings."""
+import jax
 import pytest
 
 from tests.hf_fixtures import TINY_KINDS, make_tiny_hf_checkpoint
+
+
+def pytest_configure(config):
+  """The float32 oracles (HF torch on the CPU, jnp references, plain decoding for SD) are
+  IEEE float32; on a GPU XLA lets a float32 matmul run in TF32 (~1e-3 relative), so tests
+  there ask for float32 (a CPU computes float32 either way)."""
+  del config
+  if jax.default_backend() == "gpu":
+    jax.config.update("jax_default_matmul_precision", "highest")
 
 
 @pytest.fixture(scope="session")

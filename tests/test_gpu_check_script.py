@@ -18,9 +18,11 @@ def _stub(bin_dir: pathlib.Path, name: str, body: str) -> None:
   path.chmod(path.stat().st_mode | stat.S_IXUSR)
 
 
-def _run_check(tmp_path, phase: str, failing: str) -> subprocess.CompletedProcess:
-  """Runs `gpu_check.sh phase` with every python3 call succeeding except those whose
-  arguments contain `failing`."""
+def _run_check(tmp_path, phase: str, failing: str, slow: str = "nothing-is-slow",
+               **limits: str) -> subprocess.CompletedProcess:
+  """Runs `gpu_check.sh phase` with every python3 call succeeding at once except those whose
+  arguments contain `failing` (exit 1) or `slow` (run for a minute); `limits` set the
+  script's per-step limits (e.g. FIXED_S="1")."""
   root = tmp_path / "repo"
   (root / "benchmarks").mkdir(parents=True)
   (root / "benchmarks" / "gpu_check.sh").write_text(
@@ -33,7 +35,7 @@ def _run_check(tmp_path, phase: str, failing: str) -> subprocess.CompletedProces
   bin_dir.mkdir()
   calls = tmp_path / "calls.log"
   _stub(bin_dir, "python3", f'echo "$*" >> {calls}\n'
-        f'case "$*" in *"{failing}"*) exit 1;; esac\nexit 0')
+        f'case "$*" in *"{failing}"*) exit 1;; *"{slow}"*) exec sleep 60;; esac\nexit 0')
   _stub(bin_dir, "sha256sum", "exit 0")
   _stub(bin_dir, "nvidia-smi", "exit 0")
   stage = tmp_path / "stage"
@@ -42,7 +44,7 @@ def _run_check(tmp_path, phase: str, failing: str) -> subprocess.CompletedProces
   out = tmp_path / "out"
   out.mkdir()
   env = dict(os.environ, OUT=str(out), STAGE=str(stage),
-             PATH=f"{bin_dir}:{os.environ['PATH']}")
+             PATH=f"{bin_dir}:{os.environ['PATH']}", **limits)
   proc = subprocess.run(["bash", str(root / "benchmarks" / "gpu_check.sh"), phase],
                         env=env, capture_output=True, text=True, timeout=60)
   proc.calls = calls.read_text()
@@ -60,10 +62,10 @@ def test_stage_runs_the_kernel_benchmark_after_failing_tests(tmp_path, failing):
     assert proc.returncode == 0, proc.stderr
 
 
-@pytest.mark.parametrize("failing", ["nothing-fails", "--skip_fixed", "model_free.py"])
+@pytest.mark.parametrize("failing", ["nothing-fails", "--tail_rows=0", "model_free.py"])
 def test_run_runs_every_benchmark_and_reports_the_failed_one(tmp_path, failing):
   proc = _run_check(tmp_path, "run", failing)
-  for script in ("--skip_fixed", "--tail_rows=0", "benchmarks/model_free.py"):
+  for script in ("benchmarks/rollout.py", "benchmarks/model_free.py"):
     assert script in proc.calls, proc.calls
   assert f"--model={tmp_path}/stage/smollm2.gguf" in proc.calls
   assert (tmp_path / "stage" / "smollm2.gguf").read_text() == "ab"
@@ -71,5 +73,14 @@ def test_run_runs_every_benchmark_and_reports_the_failed_one(tmp_path, failing):
     assert proc.returncode == 0, proc.stderr
   else:
     assert proc.returncode == 1, proc.stderr
-    name = {"--skip_fixed": "rollout_tail", "model_free.py": "model_free"}[failing]
+    name = {"--tail_rows=0": "rollout_fixed", "model_free.py": "model_free"}[failing]
     assert f"FAILED: {name} (exit 1)" in proc.stderr, proc.stderr
+    # Each step's output lands in its log under $OUT.
+    assert (tmp_path / "out" / f"{name}_gpu.log").exists()
+
+
+def test_a_step_past_its_limit_is_stopped_and_the_next_one_runs(tmp_path):
+  proc = _run_check(tmp_path, "run", "nothing-fails", slow="--tail_rows=0", FIXED_S="1")
+  assert proc.returncode == 1, proc.stderr
+  assert "FAILED: rollout_fixed (exit 124)" in proc.stderr, proc.stderr
+  assert "benchmarks/model_free.py" in proc.calls

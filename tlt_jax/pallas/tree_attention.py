@@ -92,6 +92,9 @@ def _kernel(q_ref, cache_k_ref, cache_v_ref, cache_mask_ref, k_ref, v_ref, new_m
   then the new keys' blocks, float32."""
   q = q_ref[...]
   rows = q.shape[0]
+  # Float32 dots in IEEE float32, as the Triton kernel's: Triton's default for a float32 dot
+  # is TF32 (~1e-3 relative; benchmarks/results/gpu_check_h200.json).
+  precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
 
   def fold(carry, keys_ref, values_ref, mask_ref, length, block_s):
     """Adds keys/values [padded length, dim] to the softmax state, block_s keys per step."""
@@ -103,7 +106,7 @@ def _kernel(q_ref, cache_k_ref, cache_v_ref, cache_mask_ref, k_ref, v_ref, new_m
       keys = keys_ref[pl.ds(start, block_s), :]
       values = values_ref[pl.ds(start, block_s), :]
       visible = mask_ref[:, pl.ds(start, block_s)] != 0
-      scores = jax.lax.dot_general(q, keys, (((1,), (1,)), ((), ())),
+      scores = jax.lax.dot_general(q, keys, (((1,), (1,)), ((), ())), precision=precision,
                                    preferred_element_type=jnp.float32) * scale
       # Hidden keys get the reference's finite MASKED (a query that sees nothing averages
       # all S + T keys, as the reference does); padding keys get -inf so they never count.
@@ -116,6 +119,7 @@ def _kernel(q_ref, cache_k_ref, cache_v_ref, cache_mask_ref, k_ref, v_ref, new_m
       probs = jnp.exp(scores - new_max[:, None])
       row_sum = correction * row_sum + jnp.sum(probs, axis=1)
       acc = correction[:, None] * acc + jnp.dot(probs.astype(values.dtype), values,
+                                                 precision=precision,
                                                  preferred_element_type=jnp.float32)
       return acc, new_max, row_sum
 
