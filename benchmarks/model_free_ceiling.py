@@ -70,7 +70,6 @@ _DRAFT_COSTS = flags.DEFINE_list("draft_costs", ["0.2"], "The learned drafter's 
                                  "runs anyway, where a row's pick changes only its accepts).")
 
 
-
 def successor_mass(probs, text, start: int, earlier: list[list[int]], nodes: int):
   """m_t for each position t >= start of `text` (prompt + response): the mass `probs[t]`
   puts on its `nodes` likeliest tokens among those that followed text[t - 1] in the
