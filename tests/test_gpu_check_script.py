@@ -31,12 +31,13 @@ def _run_check(tmp_path, phase: str, failing: str, slow: str = "nothing-is-slow"
     (root / "gpu_bundle" / part / "wheels").mkdir(parents=True)
     (root / "gpu_bundle" / part / "smollm2.gguf.part").write_text(payload)
     (root / "gpu_bundle" / part / "wheels" / "stub.whl").write_text("")
+  (root / "gpu_bundle" / "part2" / "smollm2.gguf.sha256").write_text("0" * 64)
   bin_dir = tmp_path / "bin"
   bin_dir.mkdir()
   calls = tmp_path / "calls.log"
   _stub(bin_dir, "python3", f'echo "$*" >> {calls}\n'
         f'case "$*" in *"{failing}"*) exit 1;; *"{slow}"*) exec sleep 60;; esac\nexit 0')
-  _stub(bin_dir, "sha256sum", "exit 0")
+  _stub(bin_dir, "sha256sum", "cat >/dev/null")     # reads the expected hash, agrees
   _stub(bin_dir, "nvidia-smi", "exit 0")
   stage = tmp_path / "stage"
   stage.mkdir()
