@@ -97,15 +97,19 @@ def chain_accepts(text, start: int, earlier: list[list[int]], max_ngram: int, de
   texts) is accepted: its draft and the ones before it equal the text."""
   import numpy as np
 
+  import jax
+
   from tlt_jax.rollout import ngram
   config = ngram.NgramConfig(max_ngram=max_ngram)
-  # One pool length for every call of a response: one program.
+  # One pool length for every position of a response: one compiled program, not an eager
+  # dispatch of every op at every position.
   length = max(len(t) for t in [text] + earlier)
+  propose = jax.jit(lambda context: ngram.propose_chain(context, depth, config))
   out = np.zeros((len(text) - start, depth))
   for t in range(start, len(text)):
     context = ngram.build_context([text[:t]] + earlier, [0] * (1 + len(earlier)),
                                   np.array([0]), length)
-    drafts, matched = ngram.propose_chain(context, depth, config)
+    drafts, matched = propose(context)
     if not int(matched[0]):
       continue
     drafts = np.asarray(drafts)[0]

@@ -98,6 +98,11 @@ def merge_split(depth: int) -> tuple[int, int]:
   return depth - depth // 2, depth // 2
 
 
+def _chain_arm(full_match: jax.Array) -> jax.Array:
+  """[B] the model-free arm a step's chain belongs to, by its match length."""
+  return jnp.where(full_match, _FULL_MATCH, _SHORT_MATCH)
+
+
 def pick_learned(stats: HybridStats, config: HybridConfig, most_tokens: int,
                  live: jax.Array, full_match: jax.Array) -> jax.Array:
   """[B] bool: the rows the learned drafter drafts this step. Each row's model-free arm is
@@ -113,7 +118,7 @@ def pick_learned(stats: HybridStats, config: HybridConfig, most_tokens: int,
   per_step = ((stats.recent_tokens + _PRIOR_STEPS * most_tokens)
               / (stats.recent_steps + _PRIOR_STEPS))
   learned = per_step[:, _LEARNED]
-  chain = jnp.where(full_match, per_step[:, _FULL_MATCH], per_step[:, _SHORT_MATCH])
+  chain = jnp.take_along_axis(per_step, _chain_arm(full_match)[:, None], axis=1)[:, 0]
   with_drafter = jnp.sum(jnp.where(live, jnp.maximum(learned, chain), 0.0))
   without = jnp.sum(jnp.where(live, chain, 0.0))
   return (with_drafter / (1.0 + config.draft_cost) > without) & (learned > chain)
@@ -126,7 +131,7 @@ def record(stats: HybridStats, config: HybridConfig, learned: jax.Array, emitted
   `emitted` [B] tokens."""
   used = jnp.stack([learned, ~learned], axis=1) & live[:, None]             # [B, 2]
   gained = jnp.where(used, emitted[:, None], 0)
-  arm = jnp.where(learned, _LEARNED, jnp.where(full_match, _FULL_MATCH, _SHORT_MATCH))
+  arm = jnp.where(learned, _LEARNED, _chain_arm(full_match))
   arm = (jnp.arange(len(_ARMS))[None, :] == arm[:, None]) & live[:, None]
   fade = jnp.where(live[:, None], config.memory, 1.0)
   return HybridStats(steps=stats.steps + used, tokens=stats.tokens + gained,
