@@ -32,12 +32,12 @@ def _picks(live, learned_emits, ngram_emits, steps=40, short_emits=None,
            full_match=lambda step: True):
   """Runs the per-row pick for `steps` verify steps where each row's learned drafter and
   model-free chain emit fixed token counts (the chain `short_emits` after a short match,
-  on the steps where `full_match(step)` is false): (picks [steps, B], steps per kind
-  [B, 2])."""
+  on the steps where `full_match(step)` is false, for all rows or per row): (picks
+  [steps, B], steps per kind [B, 2])."""
   config = hybrid.HybridConfig(draft_cost=0.5)
   stats, live, picks = hybrid.init_stats(len(live)), jnp.array(live), []
   for step in range(steps):
-    full = jnp.full(live.shape, full_match(step))
+    full = jnp.broadcast_to(jnp.array(full_match(step)), live.shape)
     chain_emits = jnp.where(full, jnp.array(ngram_emits), jnp.array(short_emits or ngram_emits))
     learned = hybrid.pick_learned(stats, config, 5, live, full)
     picks.append(np.asarray(learned))
@@ -72,6 +72,17 @@ def test_pick_follows_tokens_per_unit_cost():
   late = np.arange(60) >= 20                 # after the first tries
   assert not picks[full & late, 1].any()
   assert picks[~full & late, 1].mean() >= 0.9
+
+
+def test_pick_starts_from_the_batch_rates():
+  """A row's prior for an arm is the batch's rate for it: a row whose matches turn short
+  does not try the short-match chain that another row has measured as worse than its
+  drafter (with priors of its own it would try it at once, the arm being new to it)."""
+  # Row 1 matches short from the start, row 0 from step 20; chains emit 1, drafters 4.
+  picks, steps = _picks([True, True], [4, 4], [1, 1], steps=40,
+                        full_match=lambda step: [step < 20, False])
+  assert not picks[0].any()                  # the first step: every arm untried, a tie
+  assert picks[1:].all() and steps[:, 1].tolist() == [1, 1]
 
 
 def test_point_mass_then_drawn_sibling_emits_p():
