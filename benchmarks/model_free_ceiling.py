@@ -30,7 +30,9 @@ batch size). Per row, dynamic programming from the response's end gives the leas
 expected time to emit it for learned alone, model-free alone, and an oracle choosing the
 kind at every step start; the oracle's tokens per unit time over learned's bounds what
 any per-row pick can reach at that cost ratio (with our chain, it even sees whether this
-step's draws match the draft: still a bound, and the one our hybrid can approach).
+step's draws match the draft: still a bound, and the one our hybrid can approach). And,
+with our chain, the best rule that picks the kind by the length of the match the chain
+follows (every rule tried): what a pick can reach from what ours sees before a step.
 """
 from __future__ import annotations
 
@@ -94,7 +96,8 @@ def successor_mass(probs, text, start: int, earlier: list[list[int]], nodes: int
 def chain_accepts(text, start: int, earlier: list[list[int]], max_ngram: int, depth: int):
   """[n, depth] 0/1: for each position t >= start of `text`, whether level j of the chain
   `ngram.propose_chain` drafts for a step starting there (from text[:t] and the earlier
-  texts) is accepted: its draft and the ones before it equal the text."""
+  texts) is accepted: its draft and the ones before it equal the text; and [n] the length
+  of the match it follows (0: none), which the hybrid's pick sees before the step."""
   import numpy as np
 
   import jax
@@ -106,10 +109,12 @@ def chain_accepts(text, start: int, earlier: list[list[int]], max_ngram: int, de
   length = max(len(t) for t in [text] + earlier)
   propose = jax.jit(lambda context: ngram.propose_chain(context, depth, config))
   out = np.zeros((len(text) - start, depth))
+  match_lengths = np.zeros(len(text) - start, int)
   for t in range(start, len(text)):
     context = ngram.build_context([text[:t]] + earlier, [0] * (1 + len(earlier)),
                                   np.array([0]), length)
     drafts, matched = propose(context)
+    match_lengths[t - start] = int(matched[0])
     if not int(matched[0]):
       continue
     drafts = np.asarray(drafts)[0]
@@ -117,7 +122,7 @@ def chain_accepts(text, start: int, earlier: list[list[int]], max_ngram: int, de
       if drafts[j] != text[t + j]:
         break
       out[t - start, j] = 1.0
-  return out
+  return out, match_lengths
 
 
 def by_step_start(mass, depth: int):
@@ -151,35 +156,57 @@ def step_outcomes(levels):
   return reach - np.concatenate([reach[1:], [0.0]])
 
 
-def rates(rows, draft_cost: float) -> dict:
+def _expected_time(learned, free, draft_cost: float, kinds=None) -> float:
+  """One row's expected time to emit its n tokens (learned, free: each kind's level
+  acceptance by step start, [n, depth]), by dynamic programming from its end. kinds [n]:
+  the kind a step starting at t drafts with ("learned" / "ngram"); None: the better one at
+  every step start (the oracle)."""
+  import numpy as np
+  n = len(free)
+  finish = np.zeros(n + 1)                                  # expected time from t to n
+  for t in range(n - 1, -1, -1):
+    top = min(n - 1 - t, learned.shape[1])
+    after = t + 1 + np.arange(top + 1)                      # where each outcome lands
+    step = {"learned": (1.0 + draft_cost, step_outcomes(learned[t, :top])),
+            "ngram": (1.0, step_outcomes(free[t, :top]))}
+    finish[t] = min(cost + outcome @ finish[after] for kind, (cost, outcome) in step.items()
+                    if kinds is None or kinds[t] == kind)
+  return float(finish[0])
+
+
+def rates(rows, draft_cost: float, match_lengths=None) -> dict:
   """Tokens per unit time over `rows` (each the learned and the model-free chain's level
   acceptance probabilities by step start, [n, depth] each) of learned drafting alone,
-  model-free alone, and the best per-row, per-step pick between them: each row's least
-  expected time to emit its n tokens, by dynamic programming from its end (a model-free
-  step costs 1, a learned one 1 + draft_cost: the drafter's time charged to the rows that
-  use it, less than a batch pays when one row's pick runs it for all)."""
+  model-free alone, and the best per-row, per-step pick between them (a model-free step
+  costs 1, a learned one 1 + draft_cost: the drafter's time charged to the rows that use
+  it, less than a batch pays when one row's pick runs it for all).
+
+  With match_lengths (each row's [n], `chain_accepts`'): also the best rule that picks by
+  the match length alone (the kind for each length, the same at every step and row;
+  every rule tried): what a pick can reach from what it sees before a step, where the
+  oracle also sees how the step comes out."""
+  import itertools
+
   import numpy as np
-  totals = {"learned": 0.0, "ngram": 0.0, "oracle": 0.0}
-  tokens = 0
-  for learned, free in rows:
-    n = len(free)
-    tokens += n
-    finish = {kind: np.zeros(n + 1) for kind in totals}     # expected time from t to n
-    for t in range(n - 1, -1, -1):
-      top = min(n - 1 - t, learned.shape[1])
-      after = t + 1 + np.arange(top + 1)                    # where each outcome lands
-      step = {"learned": (1.0 + draft_cost, step_outcomes(learned[t, :top])),
-              "ngram": (1.0, step_outcomes(free[t, :top]))}
-      for kind in ("learned", "ngram"):
-        cost, outcome = step[kind]
-        finish[kind][t] = cost + outcome @ finish[kind][after]
-      finish["oracle"][t] = min(cost + outcome @ finish["oracle"][after]
-                                for cost, outcome in step.values())
-    for kind in totals:
-      totals[kind] += finish[kind][0]
-  out = {f"{kind}_tokens_per_unit": tokens / total for kind, total in totals.items()}
-  return {"draft_cost": draft_cost, **out,
-          "oracle_over_learned": out["oracle_tokens_per_unit"] / out["learned_tokens_per_unit"]}
+  tokens = sum(len(free) for _, free in rows)
+  per_unit = lambda kinds_of: tokens / sum(
+      _expected_time(learned, free, draft_cost, kinds_of(r))
+      for r, (learned, free) in enumerate(rows))
+  out = {f"{kind}_tokens_per_unit": per_unit(lambda r: None if kind == "oracle" else
+                                             [kind] * len(rows[r][1]))
+         for kind in ("learned", "ngram", "oracle")}
+  learned = out["learned_tokens_per_unit"]
+  out = {"draft_cost": draft_cost, **out, "oracle_over_learned": out["oracle_tokens_per_unit"]
+         / learned}
+  if match_lengths is not None:
+    lengths = np.unique(np.concatenate(match_lengths))
+    best = max((per_unit(lambda r: [dict(zip(lengths, rule))[m] for m in match_lengths[r]]),
+                rule) for rule in itertools.product(("learned", "ngram"), repeat=len(lengths)))
+    out.update({"match_rule_tokens_per_unit": best[0],
+                "match_rule_over_learned": best[0] / learned,
+                "match_rule_ngram_at": [int(m) for m, kind in zip(lengths, best[1])
+                                        if kind == "ngram"]})
+  return out
 
 
 def main(argv):
@@ -248,6 +275,7 @@ def main(argv):
   rng = np.random.default_rng(0)
   masses = {n: [] for n in nodes}
   seen_all, bounds, rows = [], {n: [] for n in nodes}, {"oracle_chain": [], "ngram_chain": []}
+  match_lengths = []
   sample = lambda prompt, seed: [list(prompt) + o.token_ids for o in generate(
       params, config, [prompt] * _GROUP.value, max_new_tokens=_NEW_TOKENS.value,
       sampling=sampling, eos_ids=eos, seed=seed).outputs]
@@ -276,8 +304,10 @@ def main(argv):
                                            hidden, positions))
         levels = levels[len(prompt) - 2:len(text) - 2]
         rows["oracle_chain"].append((levels, by_step_start(masses[1][-1], depth)))
-        rows["ngram_chain"].append((levels, chain_accepts(text, len(prompt), epoch + texts[:i],
-                                                          _MAX_NGRAM.value, depth)))
+        accepts, matched = chain_accepts(text, len(prompt), epoch + texts[:i],
+                                         _MAX_NGRAM.value, depth)
+        rows["ngram_chain"].append((levels, accepts))
+        match_lengths.append(matched)
   per_token = lambda pairs: sum(n for n, _ in pairs) / sum(n / b for n, b in pairs)
   report = {"model": "smollm2 (fp32)", "temperature": temperature,
             "group_size": _GROUP.value, "prompts": _PROMPTS.value, "depth": depth,
@@ -291,7 +321,8 @@ def main(argv):
     # The pick against the oracle chain bounds any model-free drafter's hybrid; against
     # ours, the hybrid we ship.
     report["hybrid"] = {"drafter": _DRAFTER.value, "max_ngram": _MAX_NGRAM.value, **{
-        chain: {"by_draft_cost": [rates(kind_rows, d) for d in draft_costs]}
+        chain: {"by_draft_cost": [rates(kind_rows, d, match_lengths if chain == "ngram_chain"
+                                        else None) for d in draft_costs]}
         for chain, kind_rows in rows.items()}}
   emit(report, _OUTPUT.value)
 

@@ -269,6 +269,16 @@ def test_hybrid_bound_dynamic_programming():
   bound = rates(mixed, 0.2)
   assert bound["oracle_tokens_per_unit"] > 1.2 * max(bound["learned_tokens_per_unit"],
                                                      bound["ngram_tokens_per_unit"])
+  # A pick that sees the match length: where it tells the halves apart, the best rule
+  # drafts model-free after the late half's long matches and nears the oracle; where it
+  # tells nothing, the best rule is the better kind alone.
+  told = rates(mixed, 0.2, [np.where(halves, 1, 4)])
+  assert told["match_rule_ngram_at"] == [4]
+  assert (1.15 * bound["learned_tokens_per_unit"] < told["match_rule_tokens_per_unit"]
+          <= bound["oracle_tokens_per_unit"])
+  blind = rates(mixed, 0.2, [np.full(n, 2)])
+  assert blind["match_rule_tokens_per_unit"] == pytest.approx(max(
+      bound["learned_tokens_per_unit"], bound["ngram_tokens_per_unit"]))
 
 
 def test_ceiling_replays_the_ngram_chain():
@@ -279,9 +289,10 @@ def test_ceiling_replays_the_ngram_chain():
   prompt = [1, 2, 3]
   sibling = [1, 2, 3, 4, 5, 6, 9]
   text = prompt + [4, 5, 7, 8, 8, 8]
-  accepts = chain_accepts(text, len(prompt), [sibling], max_ngram=2, depth=3)
+  accepts, matched = chain_accepts(text, len(prompt), [sibling], max_ngram=2, depth=3)
   # t=3: "2 3" matches the sibling: drafts 4 5 6, the text has 4 5 7. t=4: "3 4" -> 5 6 9.
   # t=5: "4 5" -> 6. t=6: "5 7" and "7" occur nowhere before. t=7: "7 8" no, "8" no.
   # t=8: "8 8" no, "8" ends at 7 of its own text: 8, cycling (period 1): the text's 8.
   assert accepts.tolist() == [[1, 1, 0], [1, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0],
                               [1, 0, 0]]
+  assert matched.tolist() == [2, 2, 2, 0, 0, 1]
