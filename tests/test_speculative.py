@@ -412,7 +412,8 @@ def _verify_depths(params, drafter, config, strategy, state):
   def depths(params, drafter, state):
     _, tokens, parents, scores, ancestors, _ = speculative._grow_tree(
         jax.random.key(1), params, drafter, draft_head(params, config, None), None, config,
-        strategy, SamplingParams(temperature=1.0), "reference", None, state)
+        strategy, SamplingParams(temperature=1.0), "reference", None,
+        *speculative._caught_up(params, drafter, config, "reference", None, state))
     roots = jnp.zeros(tokens.shape[:1], jnp.int32)
     return speculative._select_verify_set(strategy, tokens, parents, scores, ancestors,
                                           roots)[1]
@@ -486,7 +487,8 @@ def test_each_strategy_fits_its_tree_shape_to_its_own_draws():
   head = draft_head(params, config, None)
   tree_scores = lambda state, strategy: np.asarray(speculative._grow_tree(
       jax.random.key(1), params, drafter, head, None, config, strategy, static["sampling"],
-      "reference", None, state)[3])
+      "reference", None,
+      *speculative._caught_up(params, drafter, config, "reference", None, state))[3])
   play = lambda state, strategy: speculative.spec_chunk(
       params, drafter, head, None, state, config=config, strategy=strategy, chunk_steps=4,
       draft_temperature_ratio=spec.draft_temperature_ratio, **static)

@@ -213,27 +213,25 @@ def _propose(key, logits, k, sampling, rank_scores):
   return jnp.broadcast_to(scores, ix.shape), ix, jnp.exp(logq)
 
 
-def _catch_up(params, drafter, config, attention_impl, rules, state: SpecState):
-  """The drafter runs the pending (accepted) pairs: its outputs [B, pend_width, E] and its
-  cache advanced past them. The pending width is the rollout's deepest strategy's, so
+def _caught_up(params, drafter, config, attention_impl, rules, state: SpecState
+               ) -> tuple[SpecState, jax.Array]:
+  """The drafter runs the pending (accepted) pairs: the state with its cache advanced past
+  them, and its output at the last one [B, E], which predicts a tree's first level. Every
+  step of a rollout with a drafter runs it, whichever kind drafts, so the drafter conditions
+  on every emitted token. The pending width is the rollout's deepest strategy's, so
   shallower ones pay a few padded slots."""
   cache = state.draft_cache
   positions = cache.lengths[:, None] + jnp.arange(state.pend_tokens.shape[1])[None, :]
   hidden, cache = drafter_forward(drafter, params, config, state.pend_tokens, state.pend_hidden,
                                   positions, cache, attention_impl=attention_impl, rules=rules)
-  return hidden, cache.advance(state.pend_count)
-
-
-def _caught_up(params, drafter, config, attention_impl, rules, state: SpecState) -> SpecState:
-  """The state after the drafter has run the pending pairs and drafted nothing (a
-  model-free step of a rollout that also drafts with it)."""
-  _, cache = _catch_up(params, drafter, config, attention_impl, rules, state)
-  return state.replace(draft_cache=cache)
+  last = hidden[jnp.arange(hidden.shape[0]), state.pend_count - 1]
+  return state.replace(draft_cache=cache.advance(state.pend_count)), last
 
 
 def _grow_tree(key, params, drafter, head, vocab_ids, config, strategy, sampling,
-               attention_impl, rules, state: SpecState):
-  """Drafts `depth` levels of `topk` nodes. Node n sits at level n // topk (depth+1).
+               attention_impl, rules, state: SpecState, root_hidden: jax.Array):
+  """Drafts `depth` levels of `topk` nodes from a caught-up state and its root's drafter
+  output (`_caught_up`). Node n sits at level n // topk (depth+1).
 
   Under sampling also returns the q each parent's children were drawn from,
   [B, 1 + (depth - 1) * topk, Vd]: the root's, then node n's at 1 + n."""
@@ -243,11 +241,8 @@ def _grow_tree(key, params, drafter, head, vocab_ids, config, strategy, sampling
   n_nodes = strategy.num_nodes
   to_token = (lambda ix: ix) if vocab_ids is None else (lambda ix: jnp.take(vocab_ids, ix))
 
-  # Catch up on the accepted pairs; the last one predicts the first level.
-  hidden, cache = _catch_up(params, drafter, config, attention_impl, rules, state)
+  cache = state.draft_cache
   committed = cache.lengths
-  rows = jnp.arange(b)
-  root_hidden = hidden[rows, state.pend_count - 1]
   rank_scores = _rank_scores(state.rank_tries[strategy.name],
                              state.rank_accepts[strategy.name])       # [B, depth, topk]
   scores, ix, q = _propose(keys[0], draft_logits(head, root_hidden), k, sampling,
@@ -357,11 +352,12 @@ def _on_target_vocab(q: jax.Array, vocab_ids: jax.Array | None, vocab_size: int)
 
 
 def _learned_tree(key, params, drafter, head, vocab_ids, config, strategy, sampling,
-                  attention_impl, rules, state: SpecState) -> tuple[SpecState, VerifyTree]:
+                  attention_impl, rules, state: SpecState, root_hidden: jax.Array
+                  ) -> tuple[SpecState, VerifyTree]:
   """The drafter's tree (`_grow_tree`), cut to its best `verify_tokens` nodes."""
   state, node_tokens, node_parents, node_scores, ancestors, draft_probs = _grow_tree(
       key, params, drafter, head, vocab_ids, config, strategy, sampling, attention_impl,
-      rules, state)
+      rules, state, root_hidden)
   tokens, depths, parents, mask, sel = _select_verify_set(
       strategy, node_tokens, node_parents, node_scores, ancestors, state.base.last_tokens)
   q = None if draft_probs is None else _verified_draft_probs(draft_probs, sel)
@@ -391,15 +387,16 @@ def _ngram_tree(root: jax.Array, drafts: tuple[jax.Array, ...]) -> VerifyTree:
 
 
 def _hybrid_tree(key, params, drafter, head, vocab_ids, config, strategy, sampling,
-                 attention_impl, rules, state: SpecState, chain: VerifyTree,
-                 use_learned: jax.Array) -> tuple[SpecState, VerifyTree, jax.Array | None]:
+                 attention_impl, rules, state: SpecState, root_hidden: jax.Array,
+                 chain: VerifyTree, use_learned: jax.Array
+                 ) -> tuple[SpecState, VerifyTree, jax.Array | None]:
   """Per row, the learned drafter's tree where `use_learned` [B], else the model-free
   `chain`. Also returns, when sampling, which nodes are point masses [B, V] (a model-free
   row's): recursive rejection then never reads their q rows, so none is written out.
 
-  The drafter always catches up on the accepted pairs, so it conditions on every emitted
-  token whichever kind drafted it, but grows its tree only when a live row picked it:
-  a step all model-free pays no drafter head."""
+  The drafter has caught up (`_caught_up`, outside the conditional: inside it, a batch-1
+  T=0 step cost ~2% more), but grows its tree only when a live row picked it: a step all
+  model-free pays no drafter head."""
   if not sampling.greedy:   # the learned branch's shape; a point mass's q is never read
     draft_vocab = config.vocab_size if vocab_ids is None else vocab_ids.shape[0]
     chain = chain._replace(draft_probs=jnp.zeros(chain.tokens.shape + (draft_vocab,)))
@@ -409,12 +406,11 @@ def _hybrid_tree(key, params, drafter, head, vocab_ids, config, strategy, sampli
   def learned(draft_cache):
     grown, tree = _learned_tree(key, params, drafter, head, vocab_ids, config, strategy,
                                 sampling, attention_impl, rules,
-                                state.replace(draft_cache=draft_cache))
+                                state.replace(draft_cache=draft_cache), root_hidden)
     return grown.draft_cache, tree
 
   def model_free(draft_cache):
-    return _caught_up(params, drafter, config, attention_impl, rules,
-                      state.replace(draft_cache=draft_cache)).draft_cache, chain
+    return draft_cache, chain
 
   draft_cache, drafted = jax.lax.cond(jnp.any(use_learned & ~state.base.done), learned,
                                       model_free, state.draft_cache)
@@ -430,8 +426,8 @@ def _hybrid_tree(key, params, drafter, head, vocab_ids, config, strategy, sampli
 
 
 def _merged_tree(key, params, drafter, head, vocab_ids, config, strategy, sampling,
-                 attention_impl, rules, state: SpecState, chain: VerifyTree
-                 ) -> tuple[SpecState, VerifyTree, jax.Array]:
+                 attention_impl, rules, state: SpecState, root_hidden: jax.Array,
+                 chain: VerifyTree) -> tuple[SpecState, VerifyTree, jax.Array]:
   """One verify tree of the strategy's `depth + 1` tokens holding both drafts: the
   model-free `chain` (`hybrid.merge_split`'s depth), tried first, and the learned
   drafter's chain, both from the root. Also returns which nodes are point masses [B, V]:
@@ -443,7 +439,8 @@ def _merged_tree(key, params, drafter, head, vocab_ids, config, strategy, sampli
   view = lambda counts: {sub.name: counts[strategy.name][:, :learned_depth]}
   grown, learned = _learned_tree(
       key, params, drafter, head, vocab_ids, config, sub, sampling, attention_impl, rules,
-      state.replace(rank_tries=view(state.rank_tries), rank_accepts=view(state.rank_accepts)))
+      state.replace(rank_tries=view(state.rank_tries), rank_accepts=view(state.rank_accepts)),
+      root_hidden)
   state = grown.replace(rank_tries=state.rank_tries, rank_accepts=state.rank_accepts)
   b, a = chain.tokens.shape[0], ngram_depth
   v = 1 + ngram_depth + learned_depth
@@ -516,24 +513,24 @@ def spec_step(params: Params, drafter: DrafterParams | None, head: jax.Array | N
     model_free = _chain_tree(base.last_tokens, drafts)
   full_match = (jnp.zeros_like(live) if kind == "learned"
                 else matched >= ngram_config.max_ngram)
+  if learned:
+    state, root_hidden = _caught_up(params, drafter, config, attention_impl, rules, state)
   if merged:
     state, tree, point_mass = _merged_tree(draft_key, params, drafter, head, vocab_ids, config,
                                            strategy, draft_sampling, attention_impl, rules,
-                                           state, model_free)
+                                           state, root_hidden, model_free)
   elif kind == "hybrid":
     use_learned = hybrid_lib.pick_learned(state.hybrid, hybrid, depth + 1, live, full_match)
     state, tree, point_mass = _hybrid_tree(draft_key, params, drafter, head, vocab_ids,
                                            config, strategy, draft_sampling, attention_impl,
-                                           rules, state, model_free, use_learned)
+                                           rules, state, root_hidden, model_free, use_learned)
   elif kind == "learned":
     use_learned = jnp.ones_like(live)
     state, tree = _learned_tree(draft_key, params, drafter, head, vocab_ids, config, strategy,
-                                draft_sampling, attention_impl, rules, state)
+                                draft_sampling, attention_impl, rules, state, root_hidden)
   else:
     use_learned = jnp.zeros_like(live)
     tree = model_free
-    if learned:
-      state = _caught_up(params, drafter, config, attention_impl, rules, state)
 
   committed = base.cache.lengths
   hidden, new_k, new_v = forward_new_kv(params, config, tree.tokens,
