@@ -392,29 +392,10 @@ def _hybrid_tree(key, params, drafter, head, vocab_ids, config, strategy, sampli
                  ) -> tuple[SpecState, VerifyTree, jax.Array | None]:
   """Per row, the learned drafter's tree where `use_learned` [B], else the model-free
   `chain`. Also returns, when sampling, which nodes are point masses [B, V] (a model-free
-  row's): recursive rejection then never reads their q rows, so none is written out.
-
-  The drafter has caught up (`_caught_up`, outside the conditional: inside it, a batch-1
-  T=0 step cost ~2% more), but grows its tree only when a live row picked it: a step all
-  model-free pays no drafter head."""
-  if not sampling.greedy:   # the learned branch's shape; a point mass's q is never read
-    draft_vocab = config.vocab_size if vocab_ids is None else vocab_ids.shape[0]
-    chain = chain._replace(draft_probs=jnp.zeros(chain.tokens.shape + (draft_vocab,)))
-
-  # The branches take and return the drafter's cache alone: with the whole state (the
-  # target's cache included) as the conditional's operand, a step cost ~15% more (batch 4).
-  def learned(draft_cache):
-    grown, tree = _learned_tree(key, params, drafter, head, vocab_ids, config, strategy,
-                                sampling, attention_impl, rules,
-                                state.replace(draft_cache=draft_cache), root_hidden)
-    return grown.draft_cache, tree
-
-  def model_free(draft_cache):
-    return draft_cache, chain
-
-  draft_cache, drafted = jax.lax.cond(jnp.any(use_learned & ~state.base.done), learned,
-                                      model_free, state.draft_cache)
-  state = state.replace(draft_cache=draft_cache)
+  row's): recursive rejection then never reads their q rows. Runs only in a step where
+  some live row picked the drafter (`spec_chunk`'s runs of steps)."""
+  state, drafted = _learned_tree(key, params, drafter, head, vocab_ids, config, strategy,
+                                 sampling, attention_impl, rules, state, root_hidden)
   pick = lambda a, b: jnp.where(use_learned.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
   tree = drafted._replace(tokens=pick(drafted.tokens, chain.tokens),
                           depths=pick(drafted.depths, chain.depths),
@@ -423,6 +404,19 @@ def _hybrid_tree(key, params, drafter, head, vocab_ids, config, strategy, sampli
   point_mass = None if sampling.greedy else jnp.broadcast_to(~use_learned[:, None],
                                                              tree.tokens.shape)
   return state, tree, point_mass
+
+
+def _hybrid_pick(state: SpecState, depth: int, ngram_config: ngram.NgramConfig,
+                 hybrid: hybrid_lib.HybridConfig, full_match: jax.Array | None = None
+                 ) -> jax.Array:
+  """[B] the rows whose pick is the learned drafter this step (`hybrid.pick_learned`).
+  full_match: whether each row's chain follows a full `max_ngram` match, when the caller
+  has proposed it; else it is proposed here."""
+  if full_match is None:
+    full_match = ngram.propose_chain(state.context, depth, ngram_config)[1] >= (
+        ngram_config.max_ngram)
+  return hybrid_lib.pick_learned(state.hybrid, hybrid, depth + 1, ~state.base.done,
+                                 full_match)
 
 
 def _merged_tree(key, params, drafter, head, vocab_ids, config, strategy, sampling,
@@ -471,13 +465,20 @@ def _count_ranks(state: SpecState, strategy: SpecStrategy, tries: jax.Array,
                        rank_accepts=add(state.rank_accepts, accepts))
 
 
+def _resolved_kind(kind: str | None, drafter, ngram_config) -> str:
+  """The kind a step drafts with (`spec_step`'s kind; None: from the sources it has)."""
+  if kind is not None:
+    return kind
+  return "learned" if ngram_config is None else "ngram" if drafter is None else "hybrid"
+
+
 def spec_step(params: Params, drafter: DrafterParams | None, head: jax.Array | None,
               vocab_ids: jax.Array | None, state: SpecState, *, config: ModelConfig,
               strategy: SpecStrategy, sampling: SamplingParams, eos_ids: tuple[int, ...],
               max_new_tokens: int, ngram_config: ngram.NgramConfig | None = None,
               hybrid: hybrid_lib.HybridConfig | None = None, kind: str | None = None,
-              draft_temperature_ratio: float = 1.0, attention_impl: str = "auto",
-              rules: MeshRules | None = None) -> SpecState:
+              learned_run: bool = True, draft_temperature_ratio: float = 1.0,
+              attention_impl: str = "auto", rules: MeshRules | None = None) -> SpecState:
   """Draft a tree, verify it in one target pass, commit the accepted path plus a bonus.
 
   The state's draft sources: `drafter` (learned), `ngram_config` (model-free, a chain from
@@ -486,6 +487,9 @@ def spec_step(params: Params, drafter: DrafterParams | None, head: jax.Array | N
   of the two, `hybrid.py`); None: the only source, or "hybrid" with both. Every source
   the state holds stays in step: the drafter runs the accepted pairs and the context
   grows by the emitted tokens whichever kind drafted.
+  learned_run (a picking hybrid): whether some live row picks the learned drafter this
+  step (`spec_chunk` runs each kind's steps in a loop of their own); if not, every row
+  drafts the model-free chain and no drafter tree grows.
   Sampled tree drafts (topk > 1) come from the drafter at `draft_temperature_ratio` times
   the sampling temperature (top-p / top-k as given); rejection sampling reads the same q,
   so any ratio is exact and only acceptance changes. A chain's single draft passes most
@@ -495,8 +499,7 @@ def spec_step(params: Params, drafter: DrafterParams | None, head: jax.Array | N
   live = ~base.done
   key, draft_key, accept_key = jax.random.split(base.key, 3)
   learned = drafter is not None
-  if kind is None:
-    kind = "learned" if ngram_config is None else "ngram" if drafter is None else "hybrid"
+  kind = _resolved_kind(kind, drafter, ngram_config)
   ratio = draft_temperature_ratio if strategy.topk > 1 else 1.0
   draft_sampling = dataclasses.replace(sampling, temperature=sampling.temperature * ratio)
   merged = kind == "hybrid" and hybrid.merge
@@ -519,8 +522,8 @@ def spec_step(params: Params, drafter: DrafterParams | None, head: jax.Array | N
     state, tree, point_mass = _merged_tree(draft_key, params, drafter, head, vocab_ids, config,
                                            strategy, draft_sampling, attention_impl, rules,
                                            state, root_hidden, model_free)
-  elif kind == "hybrid":
-    use_learned = hybrid_lib.pick_learned(state.hybrid, hybrid, depth + 1, live, full_match)
+  elif kind == "hybrid" and learned_run:
+    use_learned = _hybrid_pick(state, depth, ngram_config, hybrid, full_match)
     state, tree, point_mass = _hybrid_tree(draft_key, params, drafter, head, vocab_ids,
                                            config, strategy, draft_sampling, attention_impl,
                                            rules, state, root_hidden, model_free, use_learned)
@@ -616,20 +619,37 @@ def spec_chunk(params: Params, drafter: DrafterParams | None, head: jax.Array | 
     state = state.replace(base=state.base.replace(cache=full_cache.window(window)),
                           draft_cache=full_draft_cache.window(window) if learned else None)
 
-  def step(carry):
-    i, s = carry
-    return i + 1, spec_step(params, drafter, head, vocab_ids, s, config=config,
-                            strategy=strategy, sampling=sampling, eos_ids=eos_ids,
-                            max_new_tokens=max_new_tokens, ngram_config=ngram_config,
-                            hybrid=hybrid, kind=kind,
-                            draft_temperature_ratio=draft_temperature_ratio,
-                            attention_impl=attention_impl, rules=rules)
+  def steps(learned_run=True):
+    def step(carry):
+      i, s = carry
+      return i + 1, spec_step(params, drafter, head, vocab_ids, s, config=config,
+                              strategy=strategy, sampling=sampling, eos_ids=eos_ids,
+                              max_new_tokens=max_new_tokens, ngram_config=ngram_config,
+                              hybrid=hybrid, kind=kind, learned_run=learned_run,
+                              draft_temperature_ratio=draft_temperature_ratio,
+                              attention_impl=attention_impl, rules=rules)
+    return step
 
-  def cond(carry):
+  def more(carry):
     i, s = carry
     return (i < chunk_steps) & ~jnp.all(s.base.done)
 
-  state = jax.lax.while_loop(cond, step, (jnp.int32(0), state))[1]
+  def run_of(learned_run):
+    """Steps while the batch's pick stays `learned_run` (any live row picks the drafter)."""
+    def go_on(carry):
+      s = carry[1]
+      picked = _hybrid_pick(s, strategy.depth, ngram_config, hybrid) & ~s.base.done
+      return more(carry) & (jnp.any(picked) == learned_run)
+    return lambda carry: jax.lax.while_loop(go_on, steps(learned_run), carry)
+
+  # A picking hybrid runs each kind's steps in a loop of its own rather than a conditional
+  # in every step: the model-free loop's steps are the chain's alone. With a conditional
+  # (branches: the drafter's tree or nothing), a batch-1 T=0 step whose rows all picked the
+  # chain cost ~6% more than the model-free chain's (SmolLM2, 2-core CPU); without one, ~2%.
+  picking = (_resolved_kind(kind, drafter, ngram_config) == "hybrid"
+             and not (hybrid is not None and hybrid.merge))
+  body = (lambda carry: run_of(True)(run_of(False)(carry))) if picking else steps()
+  state = jax.lax.while_loop(more, body, (jnp.int32(0), state))[1]
   if window is not None:
     state = state.replace(base=state.base.replace(cache=full_cache.put_window(state.base.cache)),
                           draft_cache=(full_draft_cache.put_window(state.draft_cache)
