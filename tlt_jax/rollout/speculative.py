@@ -343,9 +343,10 @@ def _verified_draft_probs(draft_probs, sel):
 
 def _on_target_vocab(q: jax.Array, vocab_ids: jax.Array | None, vocab_size: int) -> jax.Array:
   """q [..., Vd] on the drafter's vocabulary scattered to the target's. Done once, right
-  before acceptance: a [B, V, vocab] q carried out of the hybrid's conditional made its
-  steps 7-8% slower than the learned drafter's alone with every row drafting learned
-  (SmolLM2, CPU, batch 16, T=1); scattered here, as fast within noise."""
+  before acceptance: scattered before the hybrid's per-row pick of a tree (then made in a
+  conditional), a [B, V, vocab] q made its steps 7-8% slower than the learned drafter's
+  alone with every row drafting learned (SmolLM2, CPU, batch 16, T=1); scattered here, as
+  fast within noise."""
   if vocab_ids is None:
     return q
   return jnp.zeros(q.shape[:-1] + (vocab_size,), q.dtype).at[..., vocab_ids].set(q)
