@@ -14,7 +14,10 @@ plain sampling whatever the drafts, so walking the sampled responses with level 
 accepted with probability m_{t+j}, up to --depth levels, draws from a process that
 accepts at least as much as any such drafter; its tokens per step bound the accept length.
 Prints JSON: the bound per tree size, the mean of m_t, and the fraction of positions
-whose last token occurs earlier at all.
+whose last token occurs earlier at all. And how often a first draft is accepted (the
+mean of p at it) for our chain and for rules that choose among the text's continuations
+by counting them (`count_rule_drafts`): how much a better model-free choice could add,
+next to the oracle's m_t, which needs the target's p.
 
 With --drafter, also the most a hybrid (tlt_jax/rollout/hybrid.py: per row and verify step,
 the learned chain or the model-free chain) could gain over the learned drafter alone, for
@@ -37,6 +40,7 @@ follows (every rule tried): what a pick can reach from what ours sees before a s
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 import sys
 
@@ -93,11 +97,59 @@ def successor_mass(probs, text, start: int, earlier: list[list[int]], nodes: int
   return np.array(mass), np.array(seen)
 
 
+_COUNT_RULES = ("longest_mode", "bigram_mode", "backoff_votes")
+
+
+def count_rule_drafts(text, start: int, earlier: list[list[int]], max_ngram: int
+                      ) -> dict[str, list[int]]:
+  """For each position t >= start of `text`, the first draft three rules that count the
+  text alone (the earlier texts and text[:t]) would propose: the token that most often
+  followed the longest suffix of text[:t] seen before ("longest_mode"), the one that most
+  often followed its last token ("bigram_mode"), and the one with the most votes when
+  every earlier occurrence of a suffix of length l (1..max_ngram) votes 10^l for what
+  followed it ("backoff_votes"). Ties go to the latest occurrence; -1: nothing seen.
+  What a model-free drafter could choose from the counts it sees, next to ours (the
+  latest of the longest matches) and the oracle (the target's likeliest successor)."""
+  counts = collections.defaultdict(collections.Counter)   # suffix -> next token -> count
+  latest = {}                                              # (suffix, next token) -> order
+  order = itertools.count()
+
+  def add(seq, j):   # seq[j] follows each suffix of seq[:j]
+    for length in range(1, min(max_ngram, j) + 1):
+      suffix = tuple(seq[j - length:j])
+      counts[suffix][seq[j]] += 1
+      latest[suffix, seq[j]] = next(order)
+
+  for other in earlier:
+    for j in range(1, len(other)):
+      add(other, j)
+  for j in range(1, start):
+    add(text, j)
+  drafts = {rule: [] for rule in _COUNT_RULES}
+  for t in range(start, len(text)):
+    seen = [tuple(text[t - length:t]) for length in range(1, min(max_ngram, t) + 1)]
+    seen = [s for s in seen if s in counts]
+    best = lambda score, suffixes: max(
+        ((score(s, c), latest[s, c], c) for s in suffixes for c in counts[s]),
+        default=(0, 0, -1))[2]
+    by_count = lambda s, c: counts[s][c]
+    drafts["longest_mode"].append(best(by_count, seen[-1:]))
+    drafts["bigram_mode"].append(best(by_count, seen[:1]))
+    votes = collections.Counter()
+    for s in seen:
+      for c, n in counts[s].items():
+        votes[c] += n * 10.0 ** len(s)
+    drafts["backoff_votes"].append(best(lambda s, c: votes[c], seen))
+    add(text, t)
+  return drafts
+
+
 def chain_accepts(text, start: int, earlier: list[list[int]], max_ngram: int, depth: int):
   """[n, depth] 0/1: for each position t >= start of `text`, whether level j of the chain
   `ngram.propose_chain` drafts for a step starting there (from text[:t] and the earlier
-  texts) is accepted: its draft and the ones before it equal the text; and [n] the length
-  of the match it follows (0: none), which the hybrid's pick sees before the step."""
+  texts) is accepted: its draft and the ones before it equal the text; [n] the length of
+  the match it follows (0: none), which the hybrid's pick sees before the step; and [n]
+  its first draft (-1: none)."""
   import numpy as np
 
   import jax
@@ -110,6 +162,7 @@ def chain_accepts(text, start: int, earlier: list[list[int]], max_ngram: int, de
   propose = jax.jit(lambda context: ngram.propose_chain(context, depth, config))
   out = np.zeros((len(text) - start, depth))
   match_lengths = np.zeros(len(text) - start, int)
+  first = np.full(len(text) - start, -1)
   for t in range(start, len(text)):
     context = ngram.build_context([text[:t]] + earlier, [0] * (1 + len(earlier)),
                                   np.array([0]), length)
@@ -118,11 +171,12 @@ def chain_accepts(text, start: int, earlier: list[list[int]], max_ngram: int, de
     if not int(matched[0]):
       continue
     drafts = np.asarray(drafts)[0]
+    first[t - start] = drafts[0]
     for j in range(min(depth, len(text) - t)):
       if drafts[j] != text[t + j]:
         break
       out[t - start, j] = 1.0
-  return out, match_lengths
+  return out, match_lengths, first
 
 
 def by_step_start(mass, depth: int):
@@ -276,6 +330,7 @@ def main(argv):
   masses = {n: [] for n in nodes}
   seen_all, bounds, rows = [], {n: [] for n in nodes}, {"oracle_chain": [], "ngram_chain": []}
   match_lengths = []
+  first_accepts = {rule: [] for rule in ("ngram_chain",) + _COUNT_RULES}
   sample = lambda prompt, seed: [list(prompt) + o.token_ids for o in generate(
       params, config, [prompt] * _GROUP.value, max_new_tokens=_NEW_TOKENS.value,
       sampling=sampling, eos_ids=eos, seed=seed).outputs]
@@ -297,6 +352,14 @@ def main(argv):
         masses[n].append(mass)
         bounds[n].append((len(mass), bounded_accept(mass, depth, _WALKS.value, rng)))
       seen_all.append(seen)
+      accepts, matched, first = chain_accepts(text, len(prompt), epoch + texts[:i],
+                                              _MAX_NGRAM.value, depth)
+      drafted = {"ngram_chain": first, **count_rule_drafts(text, len(prompt), epoch + texts[:i],
+                                                           _MAX_NGRAM.value)}
+      for rule, tokens in drafted.items():   # a first draft is accepted with p(draft)
+        tokens = np.asarray(tokens)
+        first_accepts[rule].append(np.where(tokens >= 0, response_probs[
+            np.arange(len(tokens)), np.maximum(tokens, 0)], 0.0))
       if _DRAFTER.value:
         # A step drafting response token t starts from the drafter reading h and x at text
         # positions P + t - 2 and P + t - 1; its chain is the one-node bound's.
@@ -304,8 +367,6 @@ def main(argv):
                                            hidden, positions))
         levels = levels[len(prompt) - 2:len(text) - 2]
         rows["oracle_chain"].append((levels, by_step_start(masses[1][-1], depth)))
-        accepts, matched = chain_accepts(text, len(prompt), epoch + texts[:i],
-                                         _MAX_NGRAM.value, depth)
         rows["ngram_chain"].append((levels, accepts))
         match_lengths.append(matched)
   per_token = lambda pairs: sum(n for n, _ in pairs) / sum(n / b for n, b in pairs)
@@ -316,7 +377,10 @@ def main(argv):
             "last_token_seen_before_frac": float(np.mean(np.concatenate(seen_all))),
             "by_nodes": {str(n): {"level_accept_bound_mean": float(np.mean(np.concatenate(
                                       masses[n]))),
-                                  "accept_len_bound": per_token(bounds[n])} for n in nodes}}
+                                  "accept_len_bound": per_token(bounds[n])} for n in nodes},
+            # Mean p of each rule's first draft; the oracle's is by_nodes 1's level bound.
+            "first_draft_accept": {rule: float(np.mean(np.concatenate(a)))
+                                   for rule, a in first_accepts.items()}}
   if _DRAFTER.value:
     # The pick against the oracle chain bounds any model-free drafter's hybrid; against
     # ours, the hybrid we ship.

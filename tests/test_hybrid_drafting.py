@@ -289,10 +289,24 @@ def test_ceiling_replays_the_ngram_chain():
   prompt = [1, 2, 3]
   sibling = [1, 2, 3, 4, 5, 6, 9]
   text = prompt + [4, 5, 7, 8, 8, 8]
-  accepts, matched = chain_accepts(text, len(prompt), [sibling], max_ngram=2, depth=3)
+  accepts, matched, first = chain_accepts(text, len(prompt), [sibling], max_ngram=2,
+                                          depth=3)
   # t=3: "2 3" matches the sibling: drafts 4 5 6, the text has 4 5 7. t=4: "3 4" -> 5 6 9.
   # t=5: "4 5" -> 6. t=6: "5 7" and "7" occur nowhere before. t=7: "7 8" no, "8" no.
   # t=8: "8 8" no, "8" ends at 7 of its own text: 8, cycling (period 1): the text's 8.
   assert accepts.tolist() == [[1, 1, 0], [1, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0],
                               [1, 0, 0]]
   assert matched.tolist() == [2, 2, 2, 0, 0, 1]
+  assert first.tolist() == [4, 5, 6, -1, -1, 8]
+
+
+def test_count_rules_choose_by_how_often_a_continuation_followed():
+  """benchmarks/model_free_ceiling.py's counting rules, where they disagree: after "1 2",
+  "3" followed twice and "5" once (latest), and after "2" alone "6" followed three times."""
+  from benchmarks.model_free_ceiling import count_rule_drafts
+  earlier = [[1, 2, 3], [1, 2, 3], [2, 6, 2, 6, 2, 6], [1, 2, 5]]
+  text = [1, 2, 7, 9]
+  drafts = count_rule_drafts(text, 2, earlier, max_ngram=2)
+  # t=2: the longest suffix seen is "1 2": 3 (twice) over 5; the bigram "2": 6 (three
+  # times); votes: 3 gets 2 x 100 + 2 x 10, 6 gets 3 x 10. t=3: "7" was never seen.
+  assert drafts == {"longest_mode": [3, -1], "bigram_mode": [6, -1], "backoff_votes": [3, -1]}
