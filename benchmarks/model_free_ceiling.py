@@ -159,7 +159,9 @@ def chain_accepts(text, start: int, earlier: list[list[int]], max_ngram: int, de
   # One pool length for every position of a response: one compiled program, not an eager
   # dispatch of every op at every position.
   length = max(len(t) for t in [text] + earlier)
-  propose = jax.jit(lambda context: ngram.propose_chain(context, depth, config))
+  # The text is sampled (temperature > 0): the engine's sampling ranking.
+  propose = jax.jit(lambda context: ngram.propose_chain(context, depth, config,
+                                                        own_first=True))
   out = np.zeros((len(text) - start, depth))
   match_lengths = np.zeros(len(text) - start, int)
   first = np.full(len(text) - start, -1)

@@ -65,6 +65,22 @@ def test_chain_follows_the_longest_latest_match_and_appends():
   assert np.asarray(ngram.propose_chain(grown, 3, NgramConfig())[0])[0].tolist() == [5, 6, 5]
 
 
+def test_sampled_chain_prefers_the_rows_own_text_at_equal_length():
+  """own_first (sampling): of equally long matches, the row's own text before a later
+  position in a sibling's; a longer match anywhere still wins."""
+  from tlt_jax.rollout import ngram
+  texts = [[5, 1, 2, 6, 0, 1, 2], [0, 0, 0, 1, 2, 7, 7]]
+  context = ngram.build_context(texts, [0, 0], np.array([0]), 16)
+  chain = lambda own_first: np.asarray(ngram.propose_chain(
+      context, 2, NgramConfig(max_ngram=2), own_first=own_first)[0])[0].tolist()
+  # "1 2" ends at 2 of the row's own text and at 4 of its sibling's.
+  assert chain(False) == [7, 7] and chain(True) == [6, 0]
+  longer = ngram.build_context([[5, 1, 2, 6, 0, 1, 2], [0, 0, 0, 0, 1, 2, 7]], [0, 0],
+                               np.array([0]), 16)
+  assert np.asarray(ngram.propose_chain(longer, 1, NgramConfig(max_ngram=3),
+                                        own_first=True)[0])[0].tolist() == [7]
+
+
 def test_tree_is_the_trie_of_the_heaviest_continuations():
   """The row's last 2 tokens "1 2" match 4 times: "3 4 5" twice (own text and sibling),
   "3 4 6", "7 8 9". The trie keeps 2 children per node, the heaviest nodes fill the budget
