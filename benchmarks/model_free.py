@@ -133,7 +133,7 @@ def main(argv):
   from tlt_jax.models.loading import load_model
   from tlt_jax.models.transformer import unstack_layers
   from tlt_jax.rollout.engine import SpecConfig, generate
-  from tlt_jax.rollout.hybrid import HybridConfig
+  from tlt_jax.rollout.hybrid import HybridConfig, PickMemory
   from tlt_jax.rollout.ngram import NgramConfig
   from tlt_jax.rollout.precompile import precompile
   from tlt_jax.rollout.sampling import SamplingParams
@@ -168,10 +168,12 @@ def main(argv):
   prompts = [tokenizer.chat_prompt(q) for q in asked]
   ngram_config = NgramConfig(max_ngram=_MAX_NGRAM.value)
   sd = dict(strategy=strategy, patience=0)
+  # A picking hybrid carries its batch counts from one call of a setting to the next.
   hybrid = lambda batch, merge: SpecConfig(
       drafter=drafter, vocab_ids=vocab_ids, ngram_config=ngram_config,
-      hybrid=HybridConfig(draft_cost=_DRAFT_COST.value, merge=merge), threshold=batch, **sd)
-  specs = lambda batch: {
+      hybrid=HybridConfig(draft_cost=_DRAFT_COST.value, merge=merge), threshold=batch,
+      pick_memory=None if merge else PickMemory(), **sd)
+  make_specs = lambda batch: {
       "plain": None,
       "learned": SpecConfig(drafter=drafter, vocab_ids=vocab_ids, threshold=batch, **sd),
       "ngram": SpecConfig(ngram_config=ngram_config, threshold=batch, patience=0,
@@ -185,10 +187,10 @@ def main(argv):
           call, done, epoch if use_epoch else None, group, siblings, batch)
     return args
 
-  def run(variant, batch, sampling, seed, epoch, compile_only=False):
+  def run(variant, batch, sampling, seed, epoch, specs, compile_only=False):
     """One variant's rollouts of the setting, in turn: seconds, tokens, accept, shares."""
     kind, siblings, use_epoch = _SOURCES[variant]
-    spec = specs(batch)[kind or "plain"]
+    spec = specs[kind or "plain"]
     done, seconds, tokens, steps, emitted, new_programs = {}, 0.0, 0, 0, 0.0, 0
     learned_steps = 0.0
     for k, call in enumerate(calls_of(num_prompts, group, batch)):
@@ -225,11 +227,13 @@ def main(argv):
             "drafter": _DRAFTER.value, "strategy": strategy.name,
             "ngram_strategy": ngram_strategy.name, "group_size": group,
             "prompts": num_prompts, "max_new_tokens": _NEW_TOKENS.value,
-            "hybrid_draft_cost": _DRAFT_COST.value, "settings": []}
+            "hybrid_draft_cost": _DRAFT_COST.value,
+            "hybrid_pick_memory": "carried from call to call within a setting", "settings": []}
   for temperature in (float(t) for t in _TEMPERATURES.value):
     sampling = SamplingParams(temperature=temperature)
     # The earlier epoch: a plain rollout of every group at another seed.
-    epoch = run("plain", min(max(batches), group * num_prompts), sampling, 999, None)
+    rows = min(max(batches), group * num_prompts)
+    epoch = run("plain", rows, sampling, 999, None, make_specs(rows))
     epoch = epoch["responses"]
     for batch in batches:
       log(f"T={temperature} batch={batch}")
@@ -237,13 +241,13 @@ def main(argv):
       # (65530) and LLVM fails to allocate (as benchmarks/rollout.py found).
       jax.clear_caches()
       gc.collect()
-      compiled = 0
+      compiled, specs = 0, make_specs(batch)
       if _PRECOMPILE.value:
-        compiled = sum(run(v, batch, sampling, 0, epoch, compile_only=True)["new_programs"]
-                       for v in variants)
+        compiled = sum(run(v, batch, sampling, 0, epoch, specs, compile_only=True)
+                       ["new_programs"] for v in variants)
       for v in variants:       # warm-up
-        run(v, batch, sampling, 0, epoch)
-      rounds = [{v: run(v, batch, sampling, 1 + r, epoch) for v in variants}
+        run(v, batch, sampling, 0, epoch, specs)
+      rounds = [{v: run(v, batch, sampling, 1 + r, epoch, specs) for v in variants}
                 for r in range(_REPEATS.value)]
       entry = {"temperature": temperature, "batch": batch, "precompiled_programs": compiled,
                "new_programs_timed": sum(x["new_programs"] for r in rounds for x in r.values())}

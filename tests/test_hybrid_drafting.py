@@ -29,13 +29,13 @@ def _hybrid_spec(drafter, merge=False, **fields):
 
 
 def _picks(live, learned_emits, ngram_emits, steps=40, short_emits=None,
-           full_match=lambda step: True):
+           full_match=lambda step: True, memory=None):
   """Runs the per-row pick for `steps` verify steps where each row's learned drafter and
   model-free chain emit fixed token counts (the chain `short_emits` after a short match,
-  on the steps where `full_match(step)` is false, for all rows or per row): (picks
-  [steps, B], steps per kind [B, 2])."""
+  on the steps where `full_match(step)` is false, for all rows or per row), starting from
+  and then keeping `memory`'s batch counts: (picks [steps, B], steps per kind [B, 2])."""
   config = hybrid.HybridConfig(draft_cost=0.5)
-  stats, live, picks = hybrid.init_stats(len(live)), jnp.array(live), []
+  stats, live, picks = hybrid.init_stats(len(live), memory), jnp.array(live), []
   for step in range(steps):
     full = jnp.broadcast_to(jnp.array(full_match(step)), live.shape)
     chain_emits = jnp.where(full, jnp.array(ngram_emits), jnp.array(short_emits or ngram_emits))
@@ -43,6 +43,8 @@ def _picks(live, learned_emits, ngram_emits, steps=40, short_emits=None,
     picks.append(np.asarray(learned))
     stats = hybrid.record(stats, config, learned,
                           jnp.where(learned, jnp.array(learned_emits), chain_emits), live, full)
+  if memory is not None:
+    memory.keep(stats)
   return np.array(picks), np.asarray(stats.steps)
 
 
@@ -85,6 +87,24 @@ def test_pick_starts_from_the_batch_rates():
   assert picks[1:].all() and steps[:, 1].tolist() == [1, 1]
 
 
+def test_pick_memory_carries_the_batch_rates_to_the_next_rollout():
+  """A rollout that shares a PickMemory with an earlier one starts from its batch counts:
+  it does not try the drafter that the earlier one measured as worse (4 tokens at cost 1.5
+  against the chain's 3), which a fresh rollout tries at its second step; once those
+  counts have faded, the optimistic prior brings the drafter back for a try."""
+  fresh, _ = _picks([True], [4], [3], steps=40)
+  assert fresh[1, 0]
+  memory = hybrid.PickMemory()
+  _picks([True], [4], [3], steps=40, memory=memory)
+  assert memory.steps.sum() > 10 and memory.tokens[0] > 0
+  carried, _ = _picks([True], [4], [3], steps=400, memory=memory)
+  first_try = int(np.argmax(carried[:, 0]))
+  assert 40 < first_try and carried[:, 0].sum() <= 5, first_try
+  with pytest.raises(UserInputError, match="pick_memory carries the hybrid's pick"):
+    SpecConfig(ngram_config=NgramConfig(), strategy=SpecStrategy(3, 1, 4),
+               pick_memory=hybrid.PickMemory())
+
+
 def test_point_mass_then_drawn_sibling_emits_p():
   """A merged tree's root: a point-mass child c tried first, then a child drawn from q
   (which may draw c too). 60000 walks: the first emitted token follows p (chi-square at
@@ -125,8 +145,11 @@ def test_hybrid_greedy_is_token_identical(merge, group_size):
   caps = [6 + 3 * i for i in range(len(prompts))]
   plain = generate(params, config, prompts, max_new_tokens=caps, sampling=GREEDY,
                    eos_ids=(96,))
+  # The picking variant keeps its batch counts for a second rollout (checked below).
+  memory = None if merge else hybrid.PickMemory()
+  spec = _hybrid_spec(drafter, merge, pick_memory=memory)
   sd = generate(params, config, prompts, max_new_tokens=caps, sampling=GREEDY, eos_ids=(96,),
-                spec=_hybrid_spec(drafter, merge), chunk_steps=4)
+                spec=spec, chunk_steps=4)
   for a, b in zip(plain.outputs, sd.outputs):
     assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
   scored = _forward_logprobs(params, config, prompts, [o.token_ids for o in sd.outputs])
@@ -145,6 +168,14 @@ def test_hybrid_greedy_is_token_identical(merge, group_size):
   # The group's repeated greedy text drafts well, the random drafter badly.
   assert accept["ngram"] > accept["learned"] and share["ngram"] > 0.5, (accept, share)
   assert stats["spec/context_sizes"] == {"entries": 16, "length": 128, "members": group_size}
+  if memory is None:
+    return
+  # Starting from the first rollout's counts, the second drafts less with the drafter the
+  # first measured as worse, and is as exact.
+  again = generate(params, config, prompts, max_new_tokens=caps, sampling=GREEDY,
+                   eos_ids=(96,), spec=spec, chunk_steps=4)
+  assert [o.token_ids for o in again.outputs] == [o.token_ids for o in plain.outputs]
+  assert again.stats["spec/verify_share_by_drafter"]["learned"] < share["learned"]
 
 
 def test_mixed_pool_greedy_is_token_identical():

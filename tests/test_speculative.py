@@ -565,3 +565,19 @@ def test_long_adaptive_trees_keep_plain_sampling():
   counts = lambda x: np.stack([np.sum(x[:, 1:] == v, 1) for v in range(5)], 1)
   p_value = _hotelling_p(counts(plain), counts(sd))
   assert p_value >= 1e-3, p_value
+
+
+def test_rollout_draft_head_is_reused_only_for_the_same_arrays():
+  """Rollouts that share the target's head weights and draft vocabulary share one draft
+  head; new weights (a policy update) or another vocabulary make a new one."""
+  from tlt_jax.rollout.engine import rollout_draft_head
+  config, params, _ = _model(97, seed=2)
+  head = rollout_draft_head(params, config, None)
+  assert rollout_draft_head(params, config, None) is head
+  key = "embed" if config.tie_word_embeddings else "lm_head"
+  updated = dict(params, **{key: params[key] * 2})
+  new_head = rollout_draft_head(updated, config, None)
+  np.testing.assert_array_equal(new_head, drafter_lib.draft_head(updated, config, None))
+  vocab_ids = jnp.arange(0, 97, 3, dtype=jnp.int32)
+  np.testing.assert_array_equal(rollout_draft_head(updated, config, vocab_ids),
+                                drafter_lib.draft_head(updated, config, vocab_ids))

@@ -106,7 +106,7 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
         spec_states[b] = switch_to_speculation(params, config, spec, source, plan, length,
                                                attention_impl, rules)
       if learned and pool is not None:
-        spec_states[b] = speculative.add_model_free(spec_states[b], pool, rules)
+        spec_states[b] = speculative.add_model_free(spec_states[b], pool, rules=rules)
     _compact_pairs(spec_states, spec_batches, rules)
     for b in spec_batches:
       for window in windows(spec):

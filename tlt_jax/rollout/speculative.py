@@ -167,12 +167,13 @@ def start_model_free(base: DecodeState, context: ngram.DraftContext,
 
 
 def add_model_free(state: SpecState, context: ngram.DraftContext,
+                   memory: hybrid_lib.PickMemory | None = None,
                    rules: MeshRules | None = None) -> SpecState:
   """A learned drafter's state (`start_speculation`) that also drafts model-free from
   `context`: hybrid steps, or a pool of learned and model-free strategies. Per-row counts
-  by drafter kind feed the hybrid's pick and the stats."""
-  return lay_out(state.replace(context=context,
-                               hybrid=hybrid_lib.init_stats(state.base.done.shape[0])), rules)
+  by drafter kind feed the hybrid's pick (from `memory`'s batch counts) and the stats."""
+  stats = hybrid_lib.init_stats(state.base.done.shape[0], memory)
+  return lay_out(state.replace(context=context, hybrid=stats), rules)
 
 
 def _rank_scores(tries: jax.Array, accepts: jax.Array) -> jax.Array:
@@ -608,8 +609,9 @@ def spec_chunk(params: Params, drafter: DrafterParams | None, head: jax.Array | 
                rules: MeshRules | None = None) -> SpecState:
   """Up to `chunk_steps` speculative steps in one program; stops when all rows are done.
 
-  head: `draft_head(params, config, vocab_ids)`, made once per rollout by the caller (its
-  column gather of a 16k draft vocabulary takes ~11 ms on a 2-core CPU, ten drafting levels).
+  head: `draft_head(params, config, vocab_ids)`, made by the caller outside the chunk (its
+  column gather of a 16k draft vocabulary takes ~11 ms on a 2-core CPU, ten drafting
+  levels; the engine's `rollout_draft_head` also reuses it from rollout to rollout).
   Model-free alone (`ngram_config` given, no drafter): drafter, head and vocab_ids are
   None. kind, ngram_config, hybrid: see `spec_step`.
 
