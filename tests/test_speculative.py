@@ -1,6 +1,7 @@
 """Speculative decoding is lossless: greedy token identity, exact log-probs, and the same
 sampling distribution as plain decoding; compaction and SD switching keep programs finite."""
 import collections
+import gc
 
 import jax
 import jax.numpy as jnp
@@ -581,3 +582,7 @@ def test_rollout_draft_head_is_reused_only_for_the_same_arrays():
   vocab_ids = jnp.arange(0, 97, 3, dtype=jnp.int32)
   np.testing.assert_array_equal(rollout_draft_head(updated, config, vocab_ids),
                                 drafter_lib.draft_head(updated, config, vocab_ids))
+  # Once that vocabulary is gone, no vocabulary (the full head) is still another one.
+  del vocab_ids
+  gc.collect()
+  assert rollout_draft_head(updated, config, None).shape == new_head.shape

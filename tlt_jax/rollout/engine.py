@@ -434,11 +434,13 @@ def rollout_draft_head(params: Params, config: ModelConfig,
   global _last_head
   sources = (params["embed"] if config.tie_word_embeddings else params["lm_head"], vocab_ids)
   refs, head = _last_head
-  if refs and all(ref() is source for ref, source in zip(refs, sources)):
+  # None (no draft vocabulary) matches only None, not a reference that has died since.
+  same = lambda ref, source: (ref is None) == (source is None) and (
+      source is None or ref() is source)
+  if refs and all(map(same, refs, sources)):
     return head
   head = draft_head(params, config, vocab_ids)
-  weak = lambda x: (lambda: None) if x is None else weakref.ref(x)
-  _last_head = (tuple(map(weak, sources)), head)
+  _last_head = (tuple(None if x is None else weakref.ref(x) for x in sources), head)
   return head
 
 
