@@ -22,9 +22,10 @@ optimistic prior (every step emits the most a step can, with the weight of a ten
 step), so each arm is tried at once, and an arm no row picks for a while drifts back to
 it and is tried again. Ties go to the model-free chain, the cheaper one. A `PickMemory`
 carries the batch's counts from one rollout to the next: its first steps then pick by what
-earlier rollouts measured instead of trying every arm anew (a rollout of one short row
-tried the drafter once per call: at T=0, batch 1, ~3% of the steps of a 128-token call),
-and the optimistic prior still brings a long-unpicked arm back.
+earlier rollouts measured instead of trying every arm anew (SmolLM2, T=0, a call per row of
+128 tokens: the drafter drafted 3% of the steps, a try per call, and 0.7% with a memory;
+benchmarks/results/model_free_hybrid_batch1_t0_cpu.json), and the optimistic prior still
+brings a long-unpicked arm back.
 
 The pick reads only earlier steps' outcomes and text, never this step's draws: the
 verified draft is fixed before them, so verification stays exact whichever kind a row
