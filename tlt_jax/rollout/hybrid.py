@@ -108,7 +108,7 @@ class PickMemory:
   `pick_memory`): `init_stats` starts from them, the engine keeps a rollout's last ones."""
 
   def __init__(self):
-    self.steps = self.tokens = np.zeros((len(_ARMS),), np.float32)
+    self.steps, self.tokens = (np.zeros((len(_ARMS),), np.float32) for _ in range(2))
 
   def keep(self, stats: HybridStats) -> None:
     self.steps, self.tokens = (np.asarray(stats.batch_steps[0]),

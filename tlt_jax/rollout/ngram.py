@@ -10,9 +10,9 @@ the row has later positions; under sampling, first one in the row's own text), a
 proposes the tokens that follow it as a chain, repeating them when the chain outruns them
 (a row that cycles, matched in its own text, continues the cycle); or, for a tree, merges
 the continuations of several best matches into a trie and keeps its most frequent branches
-(`propose_tree`). The draft is a point mass
-that depends only on text emitted in earlier steps, never on this step's draws, so
-verification stays exact (`acceptance.recursive_rejection` with no q).
+(`propose_tree`). The draft is a point mass that depends only on text emitted in earlier
+steps, never on this step's draws, so verification stays exact
+(`acceptance.recursive_rejection` with no q).
 
 The pool is shared by the batch, not a per-row array: compaction gathers each row's
 `members` (the entries it reads) but keeps every entry, so a finished sibling's output
@@ -162,7 +162,8 @@ def propose_tree(context: DraftContext, depth: int, topk: int, nodes: int,
   ancestors below the root, itself included), in verify order: by depth, siblings
   heaviest first; and the best match's length [B] (0: none). own_first: as
   `propose_chain`'s, for which matches are gathered first."""
-  drafts, matched = _continuations(context, nodes, depth, config, own_first)     # [B, K, D], [B, K]
+  # [B, K, D], [B, K]
+  drafts, matched = _continuations(context, nodes, depth, config, own_first)
   found = matched > 0
   b, k, _ = drafts.shape
   # same[b, n, m, d]: candidates n and m agree on their first d + 1 tokens.

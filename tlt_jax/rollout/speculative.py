@@ -506,17 +506,18 @@ def spec_step(params: Params, drafter: DrafterParams | None, head: jax.Array | N
   draft_sampling = dataclasses.replace(sampling, temperature=sampling.temperature * ratio)
   merged = kind == "hybrid" and hybrid.merge
   point_mass = None
+  own_first = not sampling.greedy   # see `ngram.propose_chain`
   # The model-free draft, and whether it follows a full `max_ngram` match (the hybrid's
   # pick and counts read it; a learned step has none).
   if kind == "ngram" and strategy.topk > 1:
     *nodes, matched = ngram.propose_tree(state.context, depth, strategy.topk,
                                          strategy.verify_tokens - 1, ngram_config,
-                                         own_first=not sampling.greedy)
+                                         own_first=own_first)
     model_free = _ngram_tree(base.last_tokens, nodes)
   elif kind != "learned":
     drafts, matched = ngram.propose_chain(
         state.context, hybrid_lib.merge_split(depth)[0] if merged else depth, ngram_config,
-        own_first=not sampling.greedy)
+        own_first=own_first)
     model_free = _chain_tree(base.last_tokens, drafts)
   full_match = (jnp.zeros_like(live) if kind == "learned"
                 else matched >= ngram_config.max_ngram)
