@@ -13,7 +13,9 @@ chance that level's draft is accepted is at most m_t: the target's probability o
 plain sampling whatever the drafts, so walking the sampled responses with level j
 accepted with probability m_{t+j}, up to --depth levels, draws from a process that
 accepts at least as much as any such drafter; its tokens per step bound the accept length.
-Prints JSON: the bound per tree size, the mean of m_t, and the fraction of positions
+With --in_step, the siblings are generated beside each other instead (model_free.py's
+batch >= G, one live batch holding the group): sample i reads the other samples' first t
+tokens at position t. Prints JSON: the bound per tree size, the mean of m_t, and the fraction of positions
 whose last token occurs earlier at all. And how often a first draft is accepted (the
 mean of p at it) for our chain and for rules that choose among the text's continuations
 by counting them (`count_rule_drafts`): how much a better model-free choice could add,
@@ -66,6 +68,10 @@ _OUTPUT = flags.DEFINE_string("output", None, "Also write the JSON here.")
 _SEED = flags.DEFINE_integer("seed", 12345, "Prompt seed (as model_free.py's).")
 _EPOCH = flags.DEFINE_bool("epoch", False, "Model-free drafts also read an earlier epoch: "
                            "G more responses to each prompt, at another seed.")
+_IN_STEP = flags.DEFINE_bool("in_step", False, "Siblings generated beside each other (a "
+                             "live batch holding the whole group, as model_free.py's batch "
+                             ">= G): sample i reads the others' first t tokens at position "
+                             "t, instead of samples 0..i-1 finished. The bound only.")
 _DRAFTER = flags.DEFINE_string("drafter", None, "Also bound the hybrid's gain over this "
                                "learned drafter (e.g. assets/drafter_smollm2).")
 _MAX_NGRAM = flags.DEFINE_integer("max_ngram", 4, "Our chain's longest suffix matched "
@@ -76,10 +82,12 @@ _DRAFT_COSTS = flags.DEFINE_list("draft_costs", ["0.2"], "The learned drafter's 
                                  "runs anyway, where a row's pick changes only its accepts).")
 
 
-def successor_mass(probs, text, start: int, earlier: list[list[int]], nodes: int):
+def successor_mass(probs, text, start: int, earlier: list[list[int]], nodes: int,
+                   in_step: list[list[int]] = ()):
   """m_t for each position t >= start of `text` (prompt + response): the mass `probs[t]`
   puts on its `nodes` likeliest tokens among those that followed text[t - 1] in the
-  earlier texts or in text[:t]. Also whether any did."""
+  earlier texts, in text[:t] or in each of the `in_step` texts' first t tokens (siblings
+  generated beside it). Also whether any did."""
   import numpy as np
   followers = collections.defaultdict(set)
   for other in earlier:
@@ -89,6 +97,9 @@ def successor_mass(probs, text, start: int, earlier: list[list[int]], nodes: int
     followers[a].add(b)
   mass, seen = [], []
   for t in range(start, len(text)):
+    for other in in_step:
+      if len(other) >= t:   # its pair (t - 2, t - 1) has just been written
+        followers[other[t - 2]].add(other[t - 1])
     candidates = np.fromiter(followers[text[t - 1]], np.int64)
     top = np.sort(probs[t - start][candidates])[::-1][:nodes]
     mass.append(float(top.sum()))
@@ -274,6 +285,8 @@ def main(argv):
   draft_costs = [float(d) for d in _DRAFT_COSTS.value]
   if not all(d >= 0 for d in draft_costs):
     raise UserInputError(f"--draft_costs={','.join(_DRAFT_COSTS.value)}: must be >= 0")
+  if _DRAFTER.value and _IN_STEP.value:
+    raise UserInputError("--in_step: bounds the model-free drafter only; drop --drafter")
   if _DRAFTER.value and 1 not in nodes:
     raise UserInputError("--drafter: needs 1 in --nodes (the hybrid's model-free chain)")
   if _OUTPUT.value:
@@ -349,11 +362,16 @@ def main(argv):
       positions = jnp.arange(padded.shape[1])[None]
       probs, hidden = score(params, padded, positions)
       response_probs = np.asarray(probs[0, len(prompt) - 1:len(text) - 1])  # p at each token
+      siblings = texts[:i] + texts[i + 1:]
       for n in nodes:
-        mass, seen = successor_mass(response_probs, text, len(prompt), epoch + texts[:i], n)
+        mass, seen = (successor_mass(response_probs, text, len(prompt), epoch, n, siblings)
+                      if _IN_STEP.value else
+                      successor_mass(response_probs, text, len(prompt), epoch + texts[:i], n))
         masses[n].append(mass)
         bounds[n].append((len(mass), bounded_accept(mass, depth, _WALKS.value, rng)))
       seen_all.append(seen)
+      if _IN_STEP.value:
+        continue
       accepts, matched, first = chain_accepts(text, len(prompt), epoch + texts[:i],
                                               _MAX_NGRAM.value, depth)
       drafted = {"ngram_chain": first, **count_rule_drafts(text, len(prompt), epoch + texts[:i],
@@ -375,14 +393,16 @@ def main(argv):
   report = {"model": "smollm2 (fp32)", "temperature": temperature,
             "group_size": _GROUP.value, "prompts": _PROMPTS.value, "depth": depth,
             "earlier_epoch": _EPOCH.value,
+            "siblings": "in step (each read up to the same position)" if _IN_STEP.value
+                        else "finished before (samples 0..i-1)",
             "positions": int(sum(len(s) for s in seen_all)),
             "last_token_seen_before_frac": float(np.mean(np.concatenate(seen_all))),
             "by_nodes": {str(n): {"level_accept_bound_mean": float(np.mean(np.concatenate(
                                       masses[n]))),
-                                  "accept_len_bound": per_token(bounds[n])} for n in nodes},
-            # Mean p of each rule's first draft; the oracle's is by_nodes 1's level bound.
-            "first_draft_accept": {rule: float(np.mean(np.concatenate(a)))
-                                   for rule, a in first_accepts.items()}}
+                                  "accept_len_bound": per_token(bounds[n])} for n in nodes}}
+  if not _IN_STEP.value:   # mean p of each rule's first draft (the oracle's: by_nodes 1's)
+    report["first_draft_accept"] = {rule: float(np.mean(np.concatenate(a)))
+                                    for rule, a in first_accepts.items()}
   if _DRAFTER.value:
     # The pick against the oracle chain bounds any model-free drafter's hybrid; against
     # ours, the hybrid we ship.

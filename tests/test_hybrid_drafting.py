@@ -331,6 +331,26 @@ def test_ceiling_replays_the_ngram_chain():
   assert first.tolist() == [4, 5, 6, -1, -1, 8]
 
 
+def test_ceiling_reads_in_step_siblings_only_up_to_the_position():
+  """benchmarks/model_free_ceiling.py's bound with siblings generated beside the text: at
+  position t a sibling's pairs count only once both tokens precede t; finished siblings'
+  count from the start."""
+  import numpy as np
+
+  from benchmarks.model_free_ceiling import successor_mass
+  prompt, sibling = [0, 1], [0, 1, 4, 1, 2]
+  text = prompt + [2, 1, 3]
+  probs = np.full((3, 5), 0.1)
+  probs[:, 4] = 0.4                                   # the sibling's token is the likeliest
+  in_step, seen = successor_mass(probs, text, len(prompt), [], 1, [sibling])
+  # t=2: "1 4" is written at position 2, with the text's own token: not yet seen. t=3:
+  # nothing followed "2" before. t=4: "1" was followed by 2 (the text) and 4 (the sibling).
+  assert seen.tolist() == [False, False, True]
+  np.testing.assert_allclose(in_step, [0.0, 0.0, 0.4])
+  finished, _ = successor_mass(probs, text, len(prompt), [sibling], 1)
+  np.testing.assert_allclose(finished, [0.4, 0.0, 0.4])   # its "1 4" counts at t=2
+
+
 def test_count_rules_choose_by_how_often_a_continuation_followed():
   """benchmarks/model_free_ceiling.py's counting rules, where they disagree: after "1 2",
   "3" followed twice and "5" once (latest), and after "2" alone "6" followed three times."""
