@@ -221,6 +221,11 @@ def main(argv):
            "new_programs": new_programs, "responses": done}
     if steps:
       out.update(accept_len=emitted / steps, learned_share=learned_steps / steps)
+    if compile_only:
+      log(f"  {variant}: {new_programs} programs compiled")
+    else:
+      log(f"  {variant}: {out['tokens_per_s']:.1f} tok/s"
+          + (f", accept {out['accept_len']:.2f}" if steps else ""))
     return out
 
   report = {"model": f"{_MODEL.value} (fp32, {jax.default_backend()})",
