@@ -15,11 +15,13 @@ accepted with probability m_{t+j}, up to --depth levels, draws from a process th
 accepts at least as much as any such drafter; its tokens per step bound the accept length.
 With --in_step, the siblings are generated beside each other instead (model_free.py's
 batch >= G, one live batch holding the group): sample i reads the other samples' first t
-tokens at position t. Prints JSON: the bound per tree size, the mean of m_t, and the fraction of positions
-whose last token occurs earlier at all. And how often a first draft is accepted (the
-mean of p at it) for our chain and for rules that choose among the text's continuations
-by counting them (`count_rule_drafts`): how much a better model-free choice could add,
-next to the oracle's m_t, which needs the target's p.
+tokens at position t (in a rollout, rows that accept more run a few tokens ahead, so
+there it is an estimate, not a strict bound). Prints JSON: the bound per tree size, the
+mean of m_t, and the fraction of positions whose last token occurs earlier at all. And
+how often a first draft is accepted (the mean of p at it) for our chain and for rules
+that choose among the text's continuations by counting them (`count_rule_drafts`): how
+much a better model-free choice could add, next to the oracle's m_t, which needs the
+target's p.
 
 With --drafter, also the most a hybrid (tlt_jax/rollout/hybrid.py: per row and verify step,
 the learned chain or the model-free chain) could gain over the learned drafter alone, for
