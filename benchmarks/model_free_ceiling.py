@@ -243,7 +243,10 @@ def _expected_time(learned, free, draft_cost: float, kinds=None) -> float:
   return float(finish[0])
 
 
-def rates(rows, draft_cost: float, match_lengths=None) -> dict:
+_Q_SHARES = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7)
+
+
+def rates(rows, draft_cost: float, match_lengths=None, first_q=None) -> dict:
   """Tokens per unit time over `rows` (each the learned and the model-free chain's level
   acceptance probabilities by step start, [n, depth] each) of learned drafting alone,
   model-free alone, and the best per-row, per-step pick between them (a model-free step
@@ -253,7 +256,10 @@ def rates(rows, draft_cost: float, match_lengths=None) -> dict:
   With match_lengths (each row's [n], `chain_accepts`'): also the best rule that picks by
   the match length alone (the kind for each length, the same at every step and row;
   every rule tried): what a pick can reach from what it sees before a step, where the
-  oracle also sees how the step comes out."""
+  oracle also sees how the step comes out. With first_q too (each row's [n]: the
+  drafter's q at the chain's first draft over its top q, known before the step's draws):
+  the best rule that drafts the chain where its match has at least m tokens and that
+  share is at least s (every m, s in `_Q_SHARES`)."""
   import itertools
 
   import numpy as np
@@ -275,6 +281,12 @@ def rates(rows, draft_cost: float, match_lengths=None) -> dict:
                 "match_rule_over_learned": best[0] / learned,
                 "match_rule_ngram_at": [int(m) for m, kind in zip(lengths, best[1])
                                         if kind == "ngram"]})
+  if first_q is not None:
+    best = max((per_unit(lambda r: np.where((match_lengths[r] >= m) & (first_q[r] >= share),
+                                            "ngram", "learned")), m, share)
+               for m in lengths[lengths > 0] for share in _Q_SHARES)
+    out.update({"q_rule_over_learned": best[0] / learned,
+                "q_rule": {"min_match": int(best[1]), "min_q_share": best[2]}})
   return out
 
 
@@ -324,29 +336,34 @@ def main(argv):
     drafter, vocab_ids = load_drafter(_DRAFTER.value, config)
     vocab_ids = None if vocab_ids is None else jnp.asarray(vocab_ids)
     head = draft_head(params, config, vocab_ids)
+    # Each target token's column in the drafter's vocabulary (-1: not in it).
+    ids = np.arange(config.vocab_size) if vocab_ids is None else np.asarray(vocab_ids)
+    draft_column = np.full(config.vocab_size, -1)
+    draft_column[ids] = np.arange(len(ids))
 
   @jax.jit
   def learned_levels(drafter, params, head, vocab_ids, probs, tokens, hidden, positions):
     """[L, depth]: at j, the chance that level m of a learned chain drafted after the
     drafter read (h_j, x_{j+1}) is accepted, sum_v min(p, q_m) over the draft of x_{j+m+1}
-    (q_m from the drafter unrolled m passes along the text)."""
+    (q_m from the drafter unrolled m passes along the text); and q_1 at each j [L, Vd]."""
     length = tokens.shape[1]
     following = jnp.pad(tokens[:, 1:], [(0, 0), (0, 1)])
     causal = jnp.tril(jnp.ones((1, length, length), bool))
     preds = unrolled_forward(drafter, params, config, following, hidden, positions, causal,
                              depth)
-    levels = []
+    levels, first_q = [], None
     for m, pred in enumerate(preds, 1):
       q = jax.nn.softmax(draft_logits(head, pred[0]) / temperature)
+      first_q = q if first_q is None else first_q
       p = jnp.pad(probs[0, m:], [(0, m), (0, 0)])
       p = p if vocab_ids is None else jnp.take(p, vocab_ids, axis=1)
       levels.append(jnp.sum(jnp.minimum(p, q), axis=-1))
-    return jnp.stack(levels, axis=-1)
+    return jnp.stack(levels, axis=-1), first_q
 
   rng = np.random.default_rng(0)
   masses = {n: [] for n in nodes}
   seen_all, bounds, rows = [], {n: [] for n in nodes}, {"oracle_chain": [], "ngram_chain": []}
-  match_lengths = []
+  match_lengths, first_qs = [], []
   first_accepts = {rule: [] for rule in ("ngram_chain",) + _COUNT_RULES}
   sample = lambda prompt, seed: [list(prompt) + o.token_ids for o in generate(
       params, config, [prompt] * _GROUP.value, max_new_tokens=_NEW_TOKENS.value,
@@ -385,9 +402,13 @@ def main(argv):
       if _DRAFTER.value:
         # A step drafting response token t starts from the drafter reading h and x at text
         # positions P + t - 2 and P + t - 1; its chain is the one-node bound's.
-        levels = np.asarray(learned_levels(drafter, params, head, vocab_ids, probs, padded,
-                                           hidden, positions))
-        levels = levels[len(prompt) - 2:len(text) - 2]
+        levels, q = learned_levels(drafter, params, head, vocab_ids, probs, padded, hidden,
+                                   positions)
+        levels = np.asarray(levels)[len(prompt) - 2:len(text) - 2]
+        q = np.asarray(q)[len(prompt) - 2:len(text) - 2]            # level 1's, [n, Vd]
+        column = draft_column[np.maximum(first, 0)]
+        at_first = q[np.arange(len(q)), np.maximum(column, 0)]
+        first_qs.append(np.where((first >= 0) & (column >= 0), at_first / q.max(-1), 0.0))
         rows["oracle_chain"].append((levels, by_step_start(masses[1][-1], depth)))
         rows["ngram_chain"].append((levels, accepts))
         match_lengths.append(matched)
@@ -409,8 +430,9 @@ def main(argv):
     # The pick against the oracle chain bounds any model-free drafter's hybrid; against
     # ours, the hybrid we ship.
     report["hybrid"] = {"drafter": _DRAFTER.value, "max_ngram": _MAX_NGRAM.value, **{
-        chain: {"by_draft_cost": [rates(kind_rows, d, match_lengths if chain == "ngram_chain"
-                                        else None) for d in draft_costs]}
+        chain: {"by_draft_cost": [rates(kind_rows, d, *((match_lengths, first_qs)
+                                                        if chain == "ngram_chain" else ()))
+                                  for d in draft_costs]}
         for chain, kind_rows in rows.items()}}
   emit(report, _OUTPUT.value)
 

@@ -310,6 +310,13 @@ def test_hybrid_bound_dynamic_programming():
   blind = rates(mixed, 0.2, [np.full(n, 2)])
   assert blind["match_rule_tokens_per_unit"] == pytest.approx(max(
       bound["learned_tokens_per_unit"], bound["ngram_tokens_per_unit"]))
+  # The drafter's q at the chain's first draft tells the halves apart where the match
+  # length does not: the q rule finds the share that does, as good as the told match rule.
+  q_told = rates(mixed, 0.2, [np.full(n, 2)], [np.where(halves, 0.1, 0.6)])
+  assert q_told["q_rule"]["min_match"] == 2
+  assert 0.1 < q_told["q_rule"]["min_q_share"] <= 0.6
+  assert q_told["q_rule_over_learned"] * bound["learned_tokens_per_unit"] == pytest.approx(
+      told["match_rule_tokens_per_unit"])
 
 
 def test_ceiling_replays_the_ngram_chain():
