@@ -351,14 +351,14 @@ def main(argv):
     causal = jnp.tril(jnp.ones((1, length, length), bool))
     preds = unrolled_forward(drafter, params, config, following, hidden, positions, causal,
                              depth)
-    levels, first_q = [], None
+    levels, qs = [], []
     for m, pred in enumerate(preds, 1):
       q = jax.nn.softmax(draft_logits(head, pred[0]) / temperature)
-      first_q = q if first_q is None else first_q
+      qs.append(q)
       p = jnp.pad(probs[0, m:], [(0, m), (0, 0)])
       p = p if vocab_ids is None else jnp.take(p, vocab_ids, axis=1)
       levels.append(jnp.sum(jnp.minimum(p, q), axis=-1))
-    return jnp.stack(levels, axis=-1), first_q
+    return jnp.stack(levels, axis=-1), qs[0]
 
   rng = np.random.default_rng(0)
   masses = {n: [] for n in nodes}
