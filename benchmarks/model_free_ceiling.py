@@ -381,19 +381,19 @@ def main(argv):
       positions = jnp.arange(padded.shape[1])[None]
       probs, hidden = score(params, padded, positions)
       response_probs = np.asarray(probs[0, len(prompt) - 1:len(text) - 1])  # p at each token
-      siblings = texts[:i] + texts[i + 1:]
+      # Finished texts, and siblings read as they are written (--in_step).
+      earlier, in_step = ((epoch, texts[:i] + texts[i + 1:]) if _IN_STEP.value
+                          else (epoch + texts[:i], ()))
       for n in nodes:
-        mass, seen = (successor_mass(response_probs, text, len(prompt), epoch, n, siblings)
-                      if _IN_STEP.value else
-                      successor_mass(response_probs, text, len(prompt), epoch + texts[:i], n))
+        mass, seen = successor_mass(response_probs, text, len(prompt), earlier, n, in_step)
         masses[n].append(mass)
         bounds[n].append((len(mass), bounded_accept(mass, depth, _WALKS.value, rng)))
       seen_all.append(seen)
       if _IN_STEP.value:
         continue
-      accepts, matched, first = chain_accepts(text, len(prompt), epoch + texts[:i],
-                                              _MAX_NGRAM.value, depth)
-      drafted = {"ngram_chain": first, **count_rule_drafts(text, len(prompt), epoch + texts[:i],
+      accepts, matched, first = chain_accepts(text, len(prompt), earlier, _MAX_NGRAM.value,
+                                              depth)
+      drafted = {"ngram_chain": first, **count_rule_drafts(text, len(prompt), earlier,
                                                            _MAX_NGRAM.value)}
       for rule, tokens in drafted.items():   # a first draft is accepted with p(draft)
         tokens = np.asarray(tokens)
