@@ -7,43 +7,50 @@ Samples G (--group_size) responses to each held-out reasoning-gym math prompt by
 sampling (as benchmarks/model_free.py's batch-1 rollouts: sample i drafts from its prompt,
 its own text and samples 0..i-1, finished before it). A model-free drafter proposes, at
 each tree level, tokens that followed an occurrence of the row's last token somewhere in
-that text (any suffix match ends there), at most `nodes` of them. At position t the
-chance that level's draft is accepted is at most m_t: the target's probability of the
-`nodes` likeliest such tokens, an oracle choice no drafter can beat. Emitted tokens follow
-plain sampling whatever the drafts, so walking the sampled responses with level j
-accepted with probability m_{t+j}, up to --depth levels, draws from a process that
-accepts at least as much as any such drafter; its tokens per step bound the accept length.
-With --in_step, the siblings are generated beside each other instead (model_free.py's
-batch >= G, one live batch holding the group): sample i reads the other samples' first t
-tokens at position t (in a rollout, rows that accept more run a few tokens ahead, so
-there it is an estimate, not a strict bound). Prints JSON: the bound per tree size, the
-mean of m_t, and the fraction of positions whose last token occurs earlier at all. And
-how often a first draft is accepted (the mean of p at it) for our chain and for rules
-that choose among the text's continuations by counting them (`count_rule_drafts`): how
-much a better model-free choice could add, next to the oracle's m_t, which needs the
+that text (any suffix match ends there), at most `nodes` of them. At position t the chance
+that level's draft is accepted is at most m_t: the target's probability of the `nodes`
+likeliest such tokens, an oracle choice no drafter can beat. Emitted tokens follow plain
+sampling whatever the drafts, so walking the sampled responses with level j accepted with
+probability m_{t+j}, up to --depth levels, draws from a process that accepts at least as
+much as any such drafter; its tokens per step bound the accept length. With --in_step, the
+siblings are generated beside each other instead (model_free.py's batch >= G, one live
+batch holding the group): sample i reads the other samples' first t tokens at position t
+(in a rollout, rows that accept more run a few tokens ahead, so there it is an estimate,
+not a strict bound); with --engine_strategy, the group's responses are the engine's own
+model-free rollout (one live batch, siblings in step) and its accept length is reported
+beside the bound on those very texts, a paired ratio. Prints JSON: the bound per tree
+size, the mean of m_t, and the fraction of positions whose last token occurs earlier at
+all. And how often a first draft is accepted (the mean of p at it) for our chain and for
+rules that choose among the text's continuations by counting them (`count_rule_drafts`):
+how much a better model-free choice could add, next to the oracle's m_t, which needs the
 target's p.
 
-With --drafter, also the most a hybrid (tlt_jax/rollout/hybrid.py: per row and verify step,
-the learned chain or the model-free chain) could gain over the learned drafter alone, for
-issue 17's hybrid speed goal. Along the same responses, a learned chain's level j at
-position t is accepted with probability a_j(t) = sum_v min(p, q_j): q_j from the drafter
-unrolled along the sampled text (as its training-time test does), p from the target. Two
-model-free chains: the oracle one, level j accepted with m_{t+j} as above (one node a
-level); and ours, tlt_jax/rollout/ngram.py's chain proposed at each position of the same
-text, whose point-mass level is accepted exactly when the sampled token equals its draft
-(the coupling that makes the emitted text plain sampling's). A model-free step costs one
-verify pass, a learned one 1 + d (d, the drafter's time, measured by the caller at each
-batch size). Per row, dynamic programming from the response's end gives the least
-expected time to emit it for learned alone, model-free alone, and an oracle choosing the
-kind at every step start; the oracle's tokens per unit time over learned's bounds what
-any per-row pick can reach at that cost ratio (with our chain, it even sees whether this
-step's draws match the draft: still a bound, and the one our hybrid can approach). And,
-with our chain, the best rule that picks the kind by the length of the match the chain
-follows (every rule tried): what a pick can reach from what ours sees before a step.
+With --drafter, also the most a hybrid (tlt_jax/rollout/hybrid.py: per row and verify
+step, the learned chain or the model-free chain) could gain over the learned drafter
+alone, for issue 17's hybrid speed goal. Along the same responses, a learned chain's level
+j at position t is accepted with probability a_j(t) = sum_v min(p, q_j): q_j from the
+drafter unrolled along the sampled text (as its training-time test does), p from the
+target. Three model-free chains: the oracle one, level j accepted with m_{t+j} as above
+(one node a level); and ours, tlt_jax/rollout/ngram.py's chain proposed at each position
+of the same text, whose point-mass level is accepted exactly when the sampled token equals
+its draft (the coupling that makes the emitted text plain sampling's), and ours in
+expectation (`ngram_chain_expected`): level j accepted with p(d_j | text[:t],
+d_1..d_{j-1}), from a verify pass of the chain (`chain_level_probs`), what a pick could at
+most know before the step. A model-free step costs one verify pass, a learned one 1 + d
+(d, the drafter's time, measured by the caller at each batch size). Per row, dynamic
+programming from the response's end gives the least expected time to emit it for learned
+alone, model-free alone, and an oracle choosing the kind at every step start; the oracle's
+tokens per unit time over learned's bounds what any per-row pick can reach at that cost
+ratio (with our chain's 0/1, it even sees whether this step's draws match the draft: a
+looser bound; in expectation, it knows p but not the draws, the bound for a pick that
+reads no draw). And, with our chain, the best rule that picks the kind by the length of
+the match the chain follows (every rule tried): what a pick can reach from what ours sees
+before a step.
 """
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import os
 import sys
@@ -74,6 +81,11 @@ _IN_STEP = flags.DEFINE_bool("in_step", False, "Siblings generated beside each o
                              "live batch holding the whole group, as model_free.py's batch "
                              ">= G): sample i reads the others' first t tokens at position "
                              "t, instead of samples 0..i-1 finished. The bound only.")
+_ENGINE = flags.DEFINE_string("engine_strategy", None, "With --in_step: each group's "
+                              "responses come from the engine's own model-free rollout at "
+                              "this strategy (e.g. 4_16_65; lossless, so they are plain "
+                              "samples too), whose accept length is reported beside the "
+                              "bound on those very texts.")
 _DRAFTER = flags.DEFINE_string("drafter", None, "Also bound the hybrid's gain over this "
                                "learned drafter (e.g. assets/drafter_smollm2).")
 _MAX_NGRAM = flags.DEFINE_integer("max_ngram", 4, "Our chain's longest suffix matched "
@@ -161,8 +173,8 @@ def chain_accepts(text, start: int, earlier: list[list[int]], max_ngram: int, de
   """[n, depth] 0/1: for each position t >= start of `text`, whether level j of the chain
   `ngram.propose_chain` drafts for a step starting there (from text[:t] and the earlier
   texts) is accepted: its draft and the ones before it equal the text; [n] the length of
-  the match it follows (0: none), which the hybrid's pick sees before the step; and [n]
-  its first draft (-1: none)."""
+  the match it follows (0: none), which the hybrid's pick sees before the step; and
+  [n, depth] its drafts (-1: no match)."""
   import numpy as np
 
   import jax
@@ -177,7 +189,7 @@ def chain_accepts(text, start: int, earlier: list[list[int]], max_ngram: int, de
                                                         own_first=True))
   out = np.zeros((len(text) - start, depth))
   match_lengths = np.zeros(len(text) - start, int)
-  first = np.full(len(text) - start, -1)
+  drafted = np.full((len(text) - start, depth), -1)
   for t in range(start, len(text)):
     context = ngram.build_context([text[:t]] + earlier, [0] * (1 + len(earlier)),
                                   np.array([0]), length)
@@ -186,12 +198,61 @@ def chain_accepts(text, start: int, earlier: list[list[int]], max_ngram: int, de
     if not int(matched[0]):
       continue
     drafts = np.asarray(drafts)[0]
-    first[t - start] = drafts[0]
+    drafted[t - start] = drafts
     for j in range(min(depth, len(text) - t)):
       if drafts[j] != text[t + j]:
         break
       out[t - start, j] = 1.0
-  return out, match_lengths, first
+  return out, match_lengths, drafted
+
+
+@functools.cache
+def _chain_verifier(config, temperature: float):
+  """The jitted pass of `chain_level_probs`, one per model and temperature."""
+  import jax
+  import jax.numpy as jnp
+
+  from tlt_jax.models import transformer
+
+  @jax.jit
+  def verify(params, tokens, cache, starts, drafts):
+    rows, depth = drafts.shape
+    fed = jnp.concatenate([tokens[0, starts - 1][:, None], drafts[:, :-1]], axis=1)
+    positions = starts[:, None] - 1 + jnp.arange(depth)[None, :]
+    cut = cache.map(lambda buf: jnp.broadcast_to(buf, (buf.shape[0], rows) + buf.shape[2:]))
+    hidden, _, _ = transformer.forward_new_kv(params, config, fed, positions,
+                                              cut.replace(lengths=starts - 1))
+    p = jax.nn.softmax(transformer.lm_logits(params, config, hidden) / temperature)
+    return jnp.take_along_axis(p, drafts[..., None], axis=-1)[..., 0]
+  return verify
+
+
+def chain_level_probs(params, config, temperature: float, tokens, starts, drafts,
+                      block: int = 32):
+  """[n, depth]: the chance that level j of a point-mass chain drafted for a step at
+  position starts[i] of `tokens` [1, L] is accepted given the levels before it,
+  p(drafts[i, j] | tokens[:starts[i]], drafts[i, :j]) (0 where drafts[i, 0] < 0: no draft).
+  What the pick can know before a step, where `chain_accepts`' 0/1 is how it came out.
+  One verify pass per step (the text's last token and the drafts) against the text's own
+  cache cut to starts[i] - 1 slots, `block` steps a pass."""
+  import jax.numpy as jnp
+  import numpy as np
+
+  from tlt_jax.models import transformer
+  from tlt_jax.models.kv_cache import init_cache
+
+  starts, drafts = np.asarray(starts), np.asarray(drafts)
+  length = tokens.shape[1]
+  _, cache = transformer.forward(params, config, tokens, jnp.arange(length)[None],
+                                 init_cache(config, 1, length, params["embed"].dtype))
+  verify = _chain_verifier(config, temperature)
+  out = []
+  for i in range(0, len(starts), block):
+    at, drawn = (np.resize(x[i:i + block], (block,) + x.shape[1:]) for x in (starts, drafts))
+    out.append(np.asarray(verify(params, tokens, cache, at, np.maximum(drawn, 0)))
+               [:min(block, len(starts) - i)])
+  probs = np.concatenate(out) if out else np.zeros(drafts.shape)
+  return np.where(drafts[:, :1] >= 0, probs, 0.0)
 
 
 def by_step_start(mass, depth: int):
@@ -301,6 +362,12 @@ def main(argv):
     raise UserInputError(f"--draft_costs={','.join(_DRAFT_COSTS.value)}: must be >= 0")
   if _DRAFTER.value and _IN_STEP.value:
     raise UserInputError("--in_step: bounds the model-free drafter only; drop --drafter")
+  if _ENGINE.value and not _IN_STEP.value:
+    raise UserInputError("--engine_strategy: needs --in_step (the engine generates a group "
+                         "in one live batch)")
+  from tlt_jax.rollout.strategy import SpecStrategy
+  engine_strategy = (SpecStrategy.parse(_ENGINE.value, "--engine_strategy") if _ENGINE.value
+                     else None)
   if _DRAFTER.value and 1 not in nodes:
     raise UserInputError("--drafter: needs 1 in --nodes (the hybrid's model-free chain)")
   if _OUTPUT.value:
@@ -313,7 +380,8 @@ def main(argv):
   from tlt_jax.models import transformer
   from tlt_jax.models.drafter import draft_head, draft_logits
   from tlt_jax.models.loading import load_model
-  from tlt_jax.rollout.engine import generate
+  from tlt_jax.rollout.engine import SpecConfig, generate
+  from tlt_jax.rollout.ngram import NgramConfig
   from tlt_jax.rollout.sampling import SamplingParams
 
   asked = questions.load({"main": (questions.MAIN_TASKS, _PROMPTS.value, _SEED.value)})["main"]
@@ -322,6 +390,9 @@ def main(argv):
   eos = tuple(model.tokenizer.eos_token_ids)
   prompts = [model.tokenizer.chat_prompt(q) for q in asked]
   sampling = SamplingParams(temperature=_TEMPERATURE.value)
+  engine_spec = None if engine_strategy is None else SpecConfig(
+      ngram_config=NgramConfig(max_ngram=_MAX_NGRAM.value), strategy=engine_strategy,
+      threshold=_GROUP.value, patience=0)
   temperature = _TEMPERATURE.value
   depth = _DEPTH.value
 
@@ -362,17 +433,31 @@ def main(argv):
 
   rng = np.random.default_rng(0)
   masses = {n: [] for n in nodes}
-  seen_all, bounds, rows = [], {n: [] for n in nodes}, {"oracle_chain": [], "ngram_chain": []}
+  seen_all, bounds = [], {n: [] for n in nodes}
+  rows = {"oracle_chain": [], "ngram_chain": [], "ngram_chain_expected": []}
   match_lengths, first_qs = [], []
   first_accepts = {rule: [] for rule in ("ngram_chain",) + _COUNT_RULES}
-  sample = lambda prompt, seed: [list(prompt) + o.token_ids for o in generate(
-      params, config, [prompt] * _GROUP.value, max_new_tokens=_NEW_TOKENS.value,
-      sampling=sampling, eos_ids=eos, seed=seed).outputs]
+  engine = collections.Counter()       # the engine's verify steps and the tokens they emitted
+
+  def sample(prompt, seed, spec=None, context=None):
+    """G responses (prompt included) by plain sampling, or by the engine's model-free SD
+    (`spec`) reading the group's text and `context` (one extra text a row)."""
+    result = generate(params, config, [prompt] * _GROUP.value,
+                      max_new_tokens=_NEW_TOKENS.value, sampling=sampling, eos_ids=eos,
+                      seed=seed, spec=spec, group_ids=None if spec is None else
+                      [0] * _GROUP.value, draft_context=context)
+    if spec is not None:
+      engine.update({"steps": result.stats["spec/verify_steps"],
+                     "tokens": result.stats["spec/accept_len"]
+                     * result.stats["spec/verify_steps"]})
+    return [list(prompt) + o.token_ids for o in result.outputs]
+
   for k, prompt in enumerate(prompts):
     print(f"prompt {k + 1}/{len(prompts)}: sampling {_GROUP.value} responses",
           file=sys.stderr, flush=True)
-    texts = sample(prompt, k)
     epoch = sample(prompt, 1000 + k) if _EPOCH.value else []
+    texts = sample(prompt, k, engine_spec, [epoch[i] if epoch else [] for i in
+                                            range(_GROUP.value)] if engine_spec else None)
     for i, text in enumerate(texts):
       if len(text) == len(prompt):
         continue
@@ -391,8 +476,9 @@ def main(argv):
       seen_all.append(seen)
       if _IN_STEP.value:
         continue
-      accepts, matched, first = chain_accepts(text, len(prompt), earlier, _MAX_NGRAM.value,
-                                              depth)
+      accepts, matched, drafts = chain_accepts(text, len(prompt), earlier, _MAX_NGRAM.value,
+                                               depth)
+      first = drafts[:, 0]
       drafted = {"ngram_chain": first, **count_rule_drafts(text, len(prompt), earlier,
                                                            _MAX_NGRAM.value)}
       for rule, tokens in drafted.items():   # a first draft is accepted with p(draft)
@@ -411,6 +497,8 @@ def main(argv):
         first_qs.append(np.where((first >= 0) & (column >= 0), at_first / q.max(-1), 0.0))
         rows["oracle_chain"].append((levels, by_step_start(masses[1][-1], depth)))
         rows["ngram_chain"].append((levels, accepts))
+        rows["ngram_chain_expected"].append((levels, chain_level_probs(
+            params, config, temperature, padded, np.arange(len(prompt), len(text)), drafts)))
         match_lengths.append(matched)
   per_token = lambda pairs: sum(n for n, _ in pairs) / sum(n / b for n, b in pairs)
   report = {"model": "smollm2 (fp32)", "temperature": temperature,
@@ -423,6 +511,11 @@ def main(argv):
             "by_nodes": {str(n): {"level_accept_bound_mean": float(np.mean(np.concatenate(
                                       masses[n]))),
                                   "accept_len_bound": per_token(bounds[n])} for n in nodes}}
+  if engine_spec is not None:
+    accept = engine["tokens"] / engine["steps"]
+    report["engine"] = {"strategy": engine_strategy.name, "accept_len": accept,
+                        "over_bound_by_nodes": {str(n): accept / report["by_nodes"][str(n)][
+                            "accept_len_bound"] for n in nodes}}
   if not _IN_STEP.value:   # mean p of each rule's first draft (the oracle's: by_nodes 1's)
     report["first_draft_accept"] = {rule: float(np.mean(np.concatenate(a)))
                                     for rule, a in first_accepts.items()}
@@ -431,7 +524,7 @@ def main(argv):
     # ours, the hybrid we ship.
     report["hybrid"] = {"drafter": _DRAFTER.value, "max_ngram": _MAX_NGRAM.value, **{
         chain: {"by_draft_cost": [rates(kind_rows, d, *((match_lengths, first_qs)
-                                                        if chain == "ngram_chain" else ()))
+                                                        if chain != "oracle_chain" else ()))
                                   for d in draft_costs]}
         for chain, kind_rows in rows.items()}}
   emit(report, _OUTPUT.value)

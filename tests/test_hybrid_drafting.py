@@ -14,6 +14,7 @@ import pytest
 from tests.test_model_free import REPO, _forward_logprobs
 from tests.test_speculative import GREEDY, _model, _prompts, homogeneity_p_value
 from tlt_jax.errors import UserInputError
+from tlt_jax.models import transformer
 from tlt_jax.rollout import hybrid
 from tlt_jax.rollout.buckets import BucketSpec
 from tlt_jax.rollout.engine import SpecConfig, generate
@@ -327,15 +328,44 @@ def test_ceiling_replays_the_ngram_chain():
   prompt = [1, 2, 3]
   sibling = [1, 2, 3, 4, 5, 6, 9]
   text = prompt + [4, 5, 7, 8, 8, 8]
-  accepts, matched, first = chain_accepts(text, len(prompt), [sibling], max_ngram=2,
-                                          depth=3)
+  accepts, matched, drafts = chain_accepts(text, len(prompt), [sibling], max_ngram=2,
+                                           depth=3)
   # t=3: "2 3" matches the sibling: drafts 4 5 6, the text has 4 5 7. t=4: "3 4" -> 5 6 9.
   # t=5: "4 5" -> 6. t=6: "5 7" and "7" occur nowhere before. t=7: "7 8" no, "8" no.
   # t=8: "8 8" no, "8" ends at 7 of its own text: 8, cycling (period 1): the text's 8.
   assert accepts.tolist() == [[1, 1, 0], [1, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0],
                               [1, 0, 0]]
   assert matched.tolist() == [2, 2, 2, 0, 0, 1]
-  assert first.tolist() == [4, 5, 6, -1, -1, 8]
+  assert drafts.tolist() == [[4, 5, 6], [5, 6, 9], [6, 9, 6], [-1] * 3, [-1] * 3, [8, 8, 8]]
+
+
+def test_ceiling_chain_levels_are_p_of_each_draft_after_the_ones_before():
+  """benchmarks/model_free_ceiling.py's expected acceptance of a point-mass chain: level j
+  of a step at t is accepted with the target's p of its draft after text[:t] and the
+  drafts before it (a full forward pass over that sequence, here the oracle); no draft, 0.
+  Two blocks, the last one short."""
+  import jax
+
+  from benchmarks.model_free_ceiling import chain_level_probs
+  vocab, depth, temperature = 11, 3, 0.7
+  config, params, _ = _model(vocab)
+  text = _prompts(vocab, [14], seed=3)[0]
+  starts = np.array([4, 5, 9, 13, 14])
+  drafts = np.random.RandomState(1).randint(0, vocab, (len(starts), depth))
+  drafts[2] = -1
+  got = chain_level_probs(params, config, temperature, jnp.asarray([text]), starts, drafts,
+                          block=3)
+  for i, t in enumerate(starts):
+    if drafts[i, 0] < 0:
+      np.testing.assert_array_equal(got[i], 0.0)
+      continue
+    sequence = text[:t] + drafts[i, :depth - 1].tolist()
+    positions = np.arange(len(sequence))[None]
+    hidden = transformer.forward_packed(params, config, jnp.asarray([sequence]), positions,
+                                        jnp.zeros((1, len(sequence)), jnp.int32))
+    p = jax.nn.softmax(transformer.lm_logits(params, config, hidden)[0] / temperature)
+    want = [float(p[t - 1 + j, drafts[i, j]]) for j in range(depth)]
+    np.testing.assert_allclose(got[i], want, rtol=1e-4, atol=1e-6)
 
 
 def test_ceiling_reads_in_step_siblings_only_up_to_the_position():
