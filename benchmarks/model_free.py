@@ -101,6 +101,20 @@ def draft_inputs(call, done: dict, epoch: dict | None, group_size: int, siblings
   return groups, extras
 
 
+_CHUNK_STEPS = 16   # verify steps per SD chunk (generate's chunk_steps)
+
+
+def full_chunk_seconds(stats: dict, batch: int) -> list[float]:
+  """Seconds of each SD chunk that ran `_CHUNK_STEPS` verify steps at the rollout's full
+  batch: begun with every row live and already speculating (not the chunk that started
+  SD), ended with some row still live (a chunk stops early only when all are done)."""
+  points = [(seconds, spec, live) for (seconds, _, _, spec), (_, live)
+            in zip(stats["rollout/context"], stats["rollout/live_rows"])]
+  return [end - begin for (begin, spec_before, live_before), (end, spec_after, live_after)
+          in zip(points, points[1:])
+          if spec_before and spec_after and live_before == batch and live_after > 0]
+
+
 def goals(entry: dict, temperature: float, batch: int) -> dict:
   """Issue 17's targets at one setting, those whose variants ran."""
   speed = lambda v: entry[v]["speedup_paired_median"]
@@ -181,7 +195,7 @@ def main(argv):
       "hybrid": hybrid(batch, False), "hybrid_merge": hybrid(batch, True)}
 
   def rollout_args(call, kind, siblings, use_epoch, done, epoch, batch):
-    args = dict(max_new_tokens=_NEW_TOKENS.value, eos_ids=eos)
+    args = dict(max_new_tokens=_NEW_TOKENS.value, eos_ids=eos, chunk_steps=_CHUNK_STEPS)
     if kind in ("ngram", "hybrid", "hybrid_merge"):
       args["group_ids"], args["draft_context"] = draft_inputs(
           call, done, epoch if use_epoch else None, group, siblings, batch)
@@ -192,7 +206,7 @@ def main(argv):
     kind, siblings, use_epoch = _SOURCES[variant]
     spec = specs[kind or "plain"]
     done, seconds, tokens, steps, emitted, new_programs = {}, 0.0, 0, 0, 0.0, 0
-    learned_steps = 0.0
+    learned_steps, chunk_seconds = 0.0, []
     for k, call in enumerate(calls_of(num_prompts, group, batch)):
       rows = [prompts[g] for g, _ in call]
       args = rollout_args(call, kind, siblings, use_epoch, done, epoch, batch)
@@ -217,10 +231,13 @@ def main(argv):
         emitted += stats["spec/accept_len"] * stats["spec/verify_steps"]
         learned_steps += (stats["spec/verify_share_by_drafter"].get("learned", 0.0)
                           * stats["spec/verify_steps"])
+        chunk_seconds += full_chunk_seconds(stats, len(call))
     out = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9),
            "new_programs": new_programs, "responses": done}
     if steps:
       out.update(accept_len=emitted / steps, learned_share=learned_steps / steps)
+    if chunk_seconds:
+      out["step_ms"] = 1e3 * statistics.median(chunk_seconds) / _CHUNK_STEPS
     if compile_only:
       log(f"  {variant}: {new_programs} programs compiled")
     else:
@@ -267,6 +284,12 @@ def main(argv):
           entry[v]["accept_len_median"] = statistics.median(x["accept_len"] for x in runs)
         if v.startswith("hybrid"):
           entry[v]["learned_share_median"] = statistics.median(x["learned_share"] for x in runs)
+        if "step_ms" in runs[0]:
+          entry[v]["step_ms_median"] = statistics.median(x["step_ms"] for x in runs)
+      if all("step_ms" in r.get(v, {}) for r in rounds for v in ("learned", "ngram_epoch")):
+        # The drafter's time in model-free verify steps (the hybrid's d), paired by round.
+        entry["draft_cost_measured"] = statistics.median(
+            r["learned"]["step_ms"] / r["ngram_epoch"]["step_ms"] - 1 for r in rounds)
       entry["goals"] = goals(entry, temperature, batch)
       log(json.dumps(entry))
       report["settings"].append(entry)
