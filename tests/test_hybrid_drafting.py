@@ -280,6 +280,32 @@ def test_hybrid_bad_input_is_one_line(tmp_path):
     assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stderr
 
 
+def test_benchmark_times_full_batch_chunks_and_pairs_goals_by_round():
+  """benchmarks/model_free.py: a verify step's time comes from SD chunks that began with
+  every row live and already speculating and ended with a row live (chunk 0 is plain, 1
+  starts SD, the last ends with none live; the one after a row finished runs below the
+  full batch); the goals compare variants round by round."""
+  from benchmarks.model_free import full_chunk_seconds, goals
+  seconds = [0.0, 1.0, 3.0, 5.5, 7.0, 7.5]
+  live = [4, 4, 4, 3, 3, 0]
+  spec = [False, True, True, True, True, True]
+  stats = {"rollout/context": [(t, 0, 0, s) for t, s in zip(seconds, spec)],
+           "rollout/live_rows": list(zip(seconds, live))}
+  assert full_chunk_seconds(stats, 4) == [2.0, 2.5]
+  # Medians of paired ratios: hybrid/learned 1.25, 0.5, 1.25 -> 1.25; a ratio of the
+  # medians of speeds (1.0 / 1.0) would say 1.0.
+  rounds = [{"hybrid": {"tokens_per_s": h}, "learned": {"tokens_per_s": l},
+             "ngram_epoch": {"tokens_per_s": 1.0}}
+            for h, l in ((1.0, 0.8), (0.5, 1.0), (1.5, 1.2))]
+  entry = {v: {} for v in rounds[0]}
+  got = goals(entry, rounds, 1.0, 4)
+  assert got["hybrid_over_learned"] == pytest.approx(1.25)
+  assert got["hybrid_ge_best_of_learned_and_model_free"] is True
+  assert got["hybrid_ge_1.2x_learned"] is True
+  rounds[2]["ngram_epoch"]["tokens_per_s"] = rounds[0]["ngram_epoch"]["tokens_per_s"] = 2.0
+  assert goals(entry, rounds, 1.0, 4)["hybrid_ge_best_of_learned_and_model_free"] is False
+
+
 def test_hybrid_bound_dynamic_programming():
   """benchmarks/model_free_ceiling.py's hybrid bound on rows whose acceptance is certain:
   each kind alone takes its steps; the oracle drafts with the drafter where it gains and
