@@ -17,9 +17,10 @@ After precompiling every variant's programs and one warm-up of each, a round run
 variant once, in turn (alternated), --repeats rounds. Per variant: medians of tokens/s and
 accept length, and the median over rounds of its tokens/s over plain's in the same round
 (paired ratios); its verify step's time (`step_ms_median`, from SD chunks at the full
-batch) and the drafter's time in model-free steps (`draft_cost_measured`, the d of
-benchmarks/model_free_ceiling.py's hybrid bound). `goals` checks issue 17's targets at
-each setting.
+batch, which span about the same contexts for every variant: the prompt to the first
+row's end) and the drafter's time in model-free steps (`draft_cost_measured`, the d of
+benchmarks/model_free_ceiling.py's hybrid bound, when both verify the same chain).
+`goals` checks issue 17's targets at each setting.
 """
 from __future__ import annotations
 
@@ -108,14 +109,15 @@ _CHUNK_STEPS = 16   # verify steps per SD chunk (generate's chunk_steps)
 
 
 def full_chunk_seconds(stats: dict, batch: int) -> list[float]:
-  """Seconds of each SD chunk that ran `_CHUNK_STEPS` verify steps at the rollout's full
-  batch: begun with every row live and already speculating (not the chunk that started
-  SD), ended with some row still live (a chunk stops early only when all are done)."""
+  """Seconds of each SD chunk that ran `_CHUNK_STEPS` verify steps at the full `batch`:
+  begun with every row live and already speculating (not the chunk that started SD, which
+  also prefills the drafter; a trace point is recorded before that boundary's compaction
+  and switch), ended with some row still live (a chunk stops early only when all are
+  done)."""
   points = [(seconds, spec, live) for (seconds, _, _, spec), (_, live)
             in zip(stats["rollout/context"], stats["rollout/live_rows"])]
-  return [end - begin for (begin, spec_before, live_before), (end, spec_after, live_after)
-          in zip(points, points[1:])
-          if spec_before and spec_after and live_before == batch and live_after > 0]
+  return [end - begin for (begin, spec, live_before), (end, _, live_after)
+          in zip(points, points[1:]) if spec and live_before == batch and live_after > 0]
 
 
 def goals(entry: dict, rounds: list[dict], temperature: float, batch: int) -> dict:
@@ -236,7 +238,7 @@ def main(argv):
         emitted += stats["spec/accept_len"] * stats["spec/verify_steps"]
         learned_steps += (stats["spec/verify_share_by_drafter"].get("learned", 0.0)
                           * stats["spec/verify_steps"])
-        chunk_seconds += full_chunk_seconds(stats, len(call))
+        chunk_seconds += full_chunk_seconds(stats, batch)
     out = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9),
            "new_programs": new_programs, "responses": done}
     if steps:
@@ -289,12 +291,16 @@ def main(argv):
           entry[v]["accept_len_median"] = statistics.median(x["accept_len"] for x in runs)
         if v.startswith("hybrid"):
           entry[v]["learned_share_median"] = statistics.median(x["learned_share"] for x in runs)
-        if "step_ms" in runs[0]:
-          entry[v]["step_ms_median"] = statistics.median(x["step_ms"] for x in runs)
-      if all("step_ms" in r.get(v, {}) for r in rounds for v in ("learned", "ngram_epoch")):
-        # The drafter's time in model-free verify steps (the hybrid's d), paired by round.
+        timed = [x["step_ms"] for x in runs if "step_ms" in x]
+        if timed:
+          entry[v]["step_ms_median"] = statistics.median(timed)
+      # The drafter's time in model-free verify steps (the hybrid's d), paired by round;
+      # only where both verify the same shape (the hybrid's chains are --strategy's).
+      paired = [r for r in rounds if all("step_ms" in r.get(v, {})
+                                         for v in ("learned", "ngram_epoch"))]
+      if paired and ngram_strategy == strategy:
         entry["draft_cost_measured"] = statistics.median(
-            r["learned"]["step_ms"] / r["ngram_epoch"]["step_ms"] - 1 for r in rounds)
+            r["learned"]["step_ms"] / r["ngram_epoch"]["step_ms"] - 1 for r in paired)
       entry["goals"] = goals(entry, rounds, temperature, batch)
       log(json.dumps(entry))
       report["settings"].append(entry)

@@ -37,15 +37,16 @@ its draft (the coupling that makes the emitted text plain sampling's), and ours 
 expectation (`ngram_chain_expected`): level j accepted with p(d_j | text[:t],
 d_1..d_{j-1}), from a verify pass of the chain (`chain_level_probs`), what a pick could at
 most know before the step. A model-free step costs one verify pass, a learned one 1 + d
-(d, the drafter's time, measured by the caller at each batch size). Per row, dynamic
-programming from the response's end gives the least expected time to emit it for learned
-alone, model-free alone, and an oracle choosing the kind at every step start; the oracle's
-tokens per unit time over learned's bounds what any per-row pick can reach at that cost
-ratio (with our chain's 0/1, it even sees whether this step's draws match the draft: a
-looser bound; in expectation, it knows p but not the draws, the bound for a pick that
-reads no draw). And, with our chain, the best rule that picks the kind by the length of
-the match the chain follows (every rule tried): what a pick can reach from what ours sees
-before a step.
+(d, the drafter's time: benchmarks/model_free.py's `draft_cost_measured` at each batch
+size). Per row, dynamic programming from the response's end gives the least expected time
+to emit it for learned alone, model-free alone, and an oracle choosing the kind at every
+step start; the oracle's tokens per unit time over learned's bounds what any per-row pick
+can reach at that cost ratio (with our chain's 0/1, it even sees whether this step's draws
+match the draft: a looser bound; in expectation, it knows p but not the draws: the most a
+pick that reads no draw can reach, an estimate since each kind's steps walk on along the
+sampled text, not the drafts they accepted). And, with our chain, the best rule that picks
+the kind by the length of the match the chain follows (every rule tried): what a pick can
+reach from what ours sees before a step.
 """
 from __future__ import annotations
 
@@ -208,11 +209,20 @@ def chain_accepts(text, start: int, earlier: list[list[int]], max_ngram: int, de
 
 @functools.cache
 def _chain_verifier(config, temperature: float):
-  """The jitted pass of `chain_level_probs`, one per model and temperature."""
+  """`chain_level_probs`' two jitted passes, made once per model and temperature (jax is
+  imported in functions here, so that flag errors come before it loads): the text's cache,
+  and the chains verified against it."""
   import jax
   import jax.numpy as jnp
 
   from tlt_jax.models import transformer
+  from tlt_jax.models.kv_cache import init_cache
+
+  @jax.jit
+  def text_cache(params, tokens):
+    length = tokens.shape[1]
+    return transformer.forward(params, config, tokens, jnp.arange(length)[None],
+                               init_cache(config, 1, length, params["embed"].dtype))[1]
 
   @jax.jit
   def verify(params, tokens, cache, starts, drafts):
@@ -224,7 +234,7 @@ def _chain_verifier(config, temperature: float):
                                               cut.replace(lengths=starts - 1))
     p = jax.nn.softmax(transformer.lm_logits(params, config, hidden) / temperature)
     return jnp.take_along_axis(p, drafts[..., None], axis=-1)[..., 0]
-  return verify
+  return text_cache, verify
 
 
 def chain_level_probs(params, config, temperature: float, tokens, starts, drafts,
@@ -235,17 +245,11 @@ def chain_level_probs(params, config, temperature: float, tokens, starts, drafts
   What the pick can know before a step, where `chain_accepts`' 0/1 is how it came out.
   One verify pass per step (the text's last token and the drafts) against the text's own
   cache cut to starts[i] - 1 slots, `block` steps a pass."""
-  import jax.numpy as jnp
   import numpy as np
 
-  from tlt_jax.models import transformer
-  from tlt_jax.models.kv_cache import init_cache
-
   starts, drafts = np.asarray(starts), np.asarray(drafts)
-  length = tokens.shape[1]
-  _, cache = transformer.forward(params, config, tokens, jnp.arange(length)[None],
-                                 init_cache(config, 1, length, params["embed"].dtype))
-  verify = _chain_verifier(config, temperature)
+  text_cache, verify = _chain_verifier(config, temperature)
+  cache = text_cache(params, tokens)
   out = []
   for i in range(0, len(starts), block):
     at, drawn = (np.resize(x[i:i + block], (block,) + x.shape[1:]) for x in (starts, drafts))
@@ -317,7 +321,7 @@ def rates(rows, draft_cost: float, match_lengths=None, first_q=None) -> dict:
   With match_lengths (each row's [n], `chain_accepts`'): also the best rule that picks by
   the match length alone (the kind for each length, the same at every step and row;
   every rule tried): what a pick can reach from what it sees before a step, where the
-  oracle also sees how the step comes out. With first_q too (each row's [n]: the
+  oracle also knows p (and, over the chain's 0/1, how the step comes out). With first_q too (each row's [n]: the
   drafter's q at the chain's first draft over its top q, known before the step's draws):
   the best rule that drafts the chain where its match has at least m tokens and that
   share is at least s (every m, s in `_Q_SHARES`)."""
@@ -368,6 +372,9 @@ def main(argv):
   from tlt_jax.rollout.strategy import SpecStrategy
   engine_strategy = (SpecStrategy.parse(_ENGINE.value, "--engine_strategy") if _ENGINE.value
                      else None)
+  if engine_strategy is not None and engine_strategy.depth > _DEPTH.value:
+    raise UserInputError(f"--engine_strategy={_ENGINE.value}: deeper than --depth="
+                         f"{_DEPTH.value}, the bound it is compared with")
   if _DRAFTER.value and 1 not in nodes:
     raise UserInputError("--drafter: needs 1 in --nodes (the hybrid's model-free chain)")
   if _OUTPUT.value:
@@ -447,7 +454,9 @@ def main(argv):
                       seed=seed, spec=spec, group_ids=None if spec is None else
                       [0] * _GROUP.value, draft_context=context)
     if spec is not None:
-      engine.update({"steps": result.stats["spec/verify_steps"],
+      # (Its accept length leaves out each response's first token, which the prefill draws:
+    # 1/n of the walk the bound counts.)
+    engine.update({"steps": result.stats["spec/verify_steps"],
                      "tokens": result.stats["spec/accept_len"]
                      * result.stats["spec/verify_steps"]})
     return [list(prompt) + o.token_ids for o in result.outputs]
@@ -456,6 +465,7 @@ def main(argv):
     print(f"prompt {k + 1}/{len(prompts)}: sampling {_GROUP.value} responses",
           file=sys.stderr, flush=True)
     epoch = sample(prompt, 1000 + k) if _EPOCH.value else []
+    # The engine's rows read the epoch as the bound does: one text (prompt included) each.
     texts = sample(prompt, k, engine_spec, [epoch[i] if epoch else [] for i in
                                             range(_GROUP.value)] if engine_spec else None)
     for i, text in enumerate(texts):
@@ -513,15 +523,16 @@ def main(argv):
                                   "accept_len_bound": per_token(bounds[n])} for n in nodes}}
   if engine_spec is not None:
     accept = engine["tokens"] / engine["steps"]
+    # Only the bounds of trees at least as wide as the engine's bound it.
     report["engine"] = {"strategy": engine_strategy.name, "accept_len": accept,
                         "over_bound_by_nodes": {str(n): accept / report["by_nodes"][str(n)][
-                            "accept_len_bound"] for n in nodes}}
+                            "accept_len_bound"] for n in nodes if n >= engine_strategy.topk}}
   if not _IN_STEP.value:   # mean p of each rule's first draft (the oracle's: by_nodes 1's)
     report["first_draft_accept"] = {rule: float(np.mean(np.concatenate(a)))
                                     for rule, a in first_accepts.items()}
   if _DRAFTER.value:
     # The pick against the oracle chain bounds any model-free drafter's hybrid; against
-    # ours, the hybrid we ship.
+    # ours (as it came out, and in expectation), the hybrid we ship.
     report["hybrid"] = {"drafter": _DRAFTER.value, "max_ngram": _MAX_NGRAM.value, **{
         chain: {"by_draft_cost": [rates(kind_rows, d, *((match_lengths, first_qs)
                                                         if chain != "oracle_chain" else ()))

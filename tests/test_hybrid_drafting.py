@@ -282,16 +282,17 @@ def test_hybrid_bad_input_is_one_line(tmp_path):
 
 def test_benchmark_times_full_batch_chunks_and_pairs_goals_by_round():
   """benchmarks/model_free.py: a verify step's time comes from SD chunks that began with
-  every row live and already speculating and ended with a row live (chunk 0 is plain, 1
-  starts SD, the last ends with none live; the one after a row finished runs below the
-  full batch); the goals compare variants round by round."""
+  every row live and already speculating and ended with a row live (the first chunk
+  starts SD; one begun after a row finished runs below the full batch; one that ends with
+  none live stopped early)."""
   from benchmarks.model_free import full_chunk_seconds, goals
-  seconds = [0.0, 1.0, 3.0, 5.5, 7.0, 7.5]
-  live = [4, 4, 4, 3, 3, 0]
-  spec = [False, True, True, True, True, True]
-  stats = {"rollout/context": [(t, 0, 0, s) for t, s in zip(seconds, spec)],
-           "rollout/live_rows": list(zip(seconds, live))}
-  assert full_chunk_seconds(stats, 4) == [2.0, 2.5]
+  trace = lambda seconds, live: {
+      "rollout/context": [(t, 0, 0, i > 0) for i, t in enumerate(seconds)],
+      "rollout/live_rows": list(zip(seconds, live))}
+  assert full_chunk_seconds(trace([0.0, 1.0, 3.0, 5.5, 7.0, 7.5], [4, 4, 4, 3, 3, 0]),
+                            4) == [2.0, 2.5]
+  assert full_chunk_seconds(trace([0.0, 1.0, 3.0, 3.5], [4, 4, 4, 0]), 4) == [2.0]
+  # The goals compare variants round by round.
   # Medians of paired ratios: hybrid/learned 1.25, 0.5, 1.25 -> 1.25; a ratio of the
   # medians of speeds (1.0 / 1.0) would say 1.0.
   rounds = [{"hybrid": {"tokens_per_s": h}, "learned": {"tokens_per_s": l},
