@@ -454,9 +454,9 @@ def main(argv):
                       seed=seed, spec=spec, group_ids=None if spec is None else
                       [0] * _GROUP.value, draft_context=context)
     if spec is not None:
-      # (Its accept length leaves out each response's first token, which the prefill draws:
-    # 1/n of the walk the bound counts.)
-    engine.update({"steps": result.stats["spec/verify_steps"],
+      # (Its accept length leaves out each response's first token, which the prefill
+      # draws: 1/n of the walk the bound counts.)
+      engine.update({"steps": result.stats["spec/verify_steps"],
                      "tokens": result.stats["spec/accept_len"]
                      * result.stats["spec/verify_steps"]})
     return [list(prompt) + o.token_ids for o in result.outputs]
