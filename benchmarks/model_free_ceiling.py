@@ -321,10 +321,10 @@ def rates(rows, draft_cost: float, match_lengths=None, first_q=None) -> dict:
   With match_lengths (each row's [n], `chain_accepts`'): also the best rule that picks by
   the match length alone (the kind for each length, the same at every step and row;
   every rule tried): what a pick can reach from what it sees before a step, where the
-  oracle also knows p (and, over the chain's 0/1, how the step comes out). With first_q too (each row's [n]: the
-  drafter's q at the chain's first draft over its top q, known before the step's draws):
-  the best rule that drafts the chain where its match has at least m tokens and that
-  share is at least s (every m, s in `_Q_SHARES`)."""
+  oracle also knows p (and, over the chain's 0/1, how the step comes out). With first_q
+  too (each row's [n]: the drafter's q at the chain's first draft over its top q, known
+  before the step's draws): the best rule that drafts the chain where its match has at
+  least m tokens and that share is at least s (every m, s in `_Q_SHARES`)."""
   import itertools
 
   import numpy as np
