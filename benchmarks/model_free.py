@@ -296,11 +296,11 @@ def main(argv):
           entry[v]["step_ms_median"] = statistics.median(timed)
       # The drafter's time in model-free verify steps (the hybrid's d), paired by round;
       # only where both verify the same shape (the hybrid's chains are --strategy's).
-      paired = [r for r in rounds if all("step_ms" in r.get(v, {})
-                                         for v in ("learned", "ngram_epoch"))]
-      if paired and ngram_strategy == strategy:
+      timed_rounds = [r for r in rounds if all("step_ms" in r.get(v, {})
+                                               for v in ("learned", "ngram_epoch"))]
+      if timed_rounds and ngram_strategy == strategy:
         entry["draft_cost_measured"] = statistics.median(
-            r["learned"]["step_ms"] / r["ngram_epoch"]["step_ms"] - 1 for r in paired)
+            r["learned"]["step_ms"] / r["ngram_epoch"]["step_ms"] - 1 for r in timed_rounds)
       entry["goals"] = goals(entry, rounds, temperature, batch)
       log(json.dumps(entry))
       report["settings"].append(entry)

@@ -448,11 +448,11 @@ def main(argv):
 
   def sample(prompt, seed, spec=None, context=None):
     """G responses (prompt included) by plain sampling, or by the engine's model-free SD
-    (`spec`) reading the group's text and `context` (one extra text a row)."""
+    (`spec`) reading the group's text (equal prompts: one group) and `context` (one extra
+    text a row)."""
     result = generate(params, config, [prompt] * _GROUP.value,
                       max_new_tokens=_NEW_TOKENS.value, sampling=sampling, eos_ids=eos,
-                      seed=seed, spec=spec, group_ids=None if spec is None else
-                      [0] * _GROUP.value, draft_context=context)
+                      seed=seed, spec=spec, draft_context=context if spec else None)
     if spec is not None:
       # (Its accept length leaves out each response's first token, which the prefill
       # draws: 1/n of the walk the bound counts.)
@@ -466,8 +466,7 @@ def main(argv):
           file=sys.stderr, flush=True)
     epoch = sample(prompt, 1000 + k) if _EPOCH.value else []
     # The engine's rows read the epoch as the bound does: one text (prompt included) each.
-    texts = sample(prompt, k, engine_spec, [epoch[i] if epoch else [] for i in
-                                            range(_GROUP.value)] if engine_spec else None)
+    texts = sample(prompt, k, engine_spec, epoch or None)
     for i, text in enumerate(texts):
       if len(text) == len(prompt):
         continue
