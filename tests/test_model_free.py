@@ -81,28 +81,96 @@ def test_sampled_chain_prefers_the_rows_own_text_at_equal_length():
                                         own_first=True)[0])[0].tolist() == [7]
 
 
-def test_tree_is_the_trie_of_the_heaviest_continuations():
-  """The row's last 2 tokens "1 2" match 4 times: "3 4 5" twice (own text and sibling),
-  "3 4 6", "7 8 9". The trie keeps 2 children per node, the heaviest nodes fill the budget
-  (parents first, then at equal weight the better match: the latest), siblings heaviest
-  first; a budget past the trie repeats the root's first child, attending to itself."""
+def test_tree_rematches_every_node_and_keeps_the_likeliest_paths():
+  """The row's last 2 tokens "1 2" end 4 times (3 in its own text, once in its sibling's):
+  3 follows three, 7 one, so 3 gets 3/4 and 7 1/4. Each node matches again with its path:
+  "2 3" is followed by 4 (3/3); "3 4" by 5 twice and 6 once (2/3, 1/3); "2 7" by 8 once,
+  and its last token "7" alone by 5 once in the sibling, weighing 1/8 of the 2-token
+  match. Two children a node, six nodes: likeliest first, a parent before its child at
+  equal probability, the rest dropped (7 8 9 and 7 5); in verify order, by depth."""
   from tlt_jax.rollout import ngram
   own = [1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 6, 0, 1, 2, 7, 8, 9, 0, 1, 2]
-  context = ngram.build_context([own, [1, 2, 3, 4, 5, 0]], [0, 0], np.array([0]), 32)
+  context = ngram.build_context([own, [1, 2, 3, 4, 5, 0, 7, 5]], [0, 0], np.array([0]), 32)
   tokens, depths, parents, ancestors, matched = (np.asarray(x)[0] for x in ngram.propose_tree(
       context, 3, 2, 6, NgramConfig(max_ngram=2)))
   assert matched == 2
-  # Weights: 3 and 4 (x3), 5 (x2), then 7, 8, 9 and 6 (x1); 9 is the latest match's.
-  assert tokens.tolist() == [3, 7, 4, 8, 5, 9]
-  assert depths.tolist() == [1, 1, 2, 2, 3, 3] and parents.tolist() == [0, 0, 1, 2, 3, 4]
+  # 3 (.75), 3 4 (.75), 3 4 5 (.5), then at .25: 7, 7 8 (8/9 of it: .22) loses to 3 4 6.
+  assert tokens.tolist() == [3, 7, 4, 8, 5, 6]
+  assert depths.tolist() == [1, 1, 2, 2, 3, 3] and parents.tolist() == [0, 0, 1, 2, 3, 3]
   assert np.array_equal(ancestors, [[1, 0, 0, 0, 0, 0], [0, 1, 0, 0, 0, 0],
                                     [1, 0, 1, 0, 0, 0], [0, 1, 0, 1, 0, 0],
-                                    [1, 0, 1, 0, 1, 0], [0, 1, 0, 1, 0, 1]])
+                                    [1, 0, 1, 0, 1, 0], [1, 0, 1, 0, 0, 1]])
+  # A budget past the tree repeats the root's first child, attending to itself alone.
   tokens, depths, parents, ancestors, _ = (np.asarray(x)[0] for x in ngram.propose_tree(
-      context, 3, 1, 5, NgramConfig(max_ngram=2)))
-  assert tokens.tolist() == [3, 4, 5, 3, 3] and parents.tolist() == [0, 1, 2, 0, 0]
-  assert depths.tolist() == [1, 2, 3, 1, 1]
-  assert np.array_equal(ancestors[3:], np.eye(5, dtype=bool)[3:])
+      context, 2, 1, 4, NgramConfig(max_ngram=2)))
+  assert tokens.tolist() == [3, 4, 3, 3] and parents.tolist() == [0, 1, 0, 0]
+  assert depths.tolist() == [1, 2, 1, 1]
+  assert np.array_equal(ancestors[2:], np.eye(4, dtype=bool)[2:])
+
+
+def _shares(texts, path, max_ngram):
+  """A node's children and their estimated probabilities, written apart from ngram.py:
+  the latest 64 positions (by position, then text) of the last token of the row's text
+  (texts[0]) plus the node's path, each followed by a token, counting 8^(the length of the
+  suffix it ends)."""
+  suffix = (texts[0] + list(path))[-max_ngram:][::-1]
+  found = sorted((j, m) for m, text in enumerate(texts) for j in range(len(text) - 1)
+                 if text[j] == suffix[0])
+  weight = collections.Counter()
+  for j, m in found[-64:]:
+    k = 1
+    while k < len(suffix) and j - k >= 0 and texts[m][j - k] == suffix[k]:
+      k += 1
+    weight[texts[m][j + 1]] += 8.0 ** k
+  return {token: w / sum(weight.values()) for token, w in weight.items()}
+
+
+def _best_first_tree(texts, depth, nodes, max_ngram):
+  """{path: estimated probability} of the likeliest `nodes` paths, expanded one node at a
+  time from a heap."""
+  import heapq
+  heap, kept = [(-1.0, ())], {}
+  while heap and len(kept) < nodes + 1:
+    prob, path = heapq.heappop(heap)
+    kept[path] = -prob
+    if len(path) < depth:
+      for token, share in _shares(texts, path, max_ngram).items():
+        heapq.heappush(heap, (prob * share, path + (token,)))
+  del kept[()]
+  return kept
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_tree_holds_the_likeliest_paths_of_a_best_first_search(seed):
+  """Random group texts (many ties; from seed 4 on, tokens that occur more than the 64
+  times a node counts): the tree's paths are distinct, each below its parent, its
+  ancestors exactly the paths it extends, and their estimated probabilities are those of
+  the `nodes` likeliest (a heap search grown one node at a time, written apart from the
+  level-by-level jnp tree; equal probabilities may swap)."""
+  from tlt_jax.rollout import ngram
+  rng = np.random.default_rng(seed)
+  vocab, longest = (5, 30) if seed < 4 else (3, 120)
+  texts = [rng.integers(0, vocab, size=int(rng.integers(8, longest))).tolist()
+           for _ in range(3)]
+  depth, nodes = 3, 12
+  context = ngram.build_context(texts, [0, 0, 0], np.array([0]), 128)
+  tokens, depths, parents, ancestors, _ = (np.asarray(x)[0] for x in ngram.propose_tree(
+      context, depth, 64, nodes, NgramConfig(max_ngram=3)))
+  want = _best_first_tree(texts, depth, nodes, 3)
+  paths = []
+  for i in range(nodes):
+    parent = () if parents[i] == 0 else paths[parents[i] - 1]
+    paths.append(parent + (int(tokens[i]),))
+    assert len(paths[i]) == depths[i]
+  real = len(want)
+  assert len(set(paths[:real])) == real
+  assert all(paths[i][:1] == paths[0][:1] and depths[i] == 1 for i in range(real, nodes))
+  for i in range(real):
+    assert set(np.flatnonzero(ancestors[i])) == {
+        j for j in range(real) if paths[i][:len(paths[j])] == paths[j]}
+  got = sorted(np.prod([_shares(texts, path[:d], 3)[path[d]]
+                        for d in range(len(path))]) for path in paths[:real])
+  np.testing.assert_allclose(got, sorted(want.values()), rtol=1e-5)
 
 
 @pytest.mark.parametrize("group_size,strategy", [(4, "4_1_5"), (8, "4_1_5"), (4, "4_2_7")])
@@ -114,7 +182,7 @@ def test_model_free_greedy_is_token_identical(group_size, strategy):
   config, params, _ = _model(97, seed=2)
   lengths = (5, 9, 3, 12) if group_size == 4 else (7, 11)
   prompts = [p for p in _prompts(97, lengths, seed=4) for _ in range(group_size)]
-  caps = [6 + 3 * i for i in range(len(prompts))]
+  caps = [6 + 4 * i for i in range(len(prompts))]
   plain = generate(params, config, prompts, max_new_tokens=caps, sampling=GREEDY,
                    eos_ids=(96,))
   earlier = None

@@ -51,7 +51,7 @@ DEFAULT_DRAFT_TEMPERATURE_RATIO = 0.7
 class SpecConfig:
   """Speculative decoding for the tail: on below `threshold` live rows for `patience` steps.
 
-  Drafts from a learned `drafter`, model-free (`ngram_config`: chains or tries from the
+  Drafts from a learned `drafter`, model-free (`ngram_config`: chains or trees from the
   rows' group text), or, with `hybrid`, from both: each row picks one per verify step
   (`hybrid.py`).
   Either one fixed `strategy`, or a `bandit` that picks among its strategies per chunk by

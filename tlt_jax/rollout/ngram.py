@@ -8,9 +8,9 @@ the row's last `max_ngram` tokens against every position of those entries, takes
 longest match (then the latest position: recent text predicts best, and a sibling ahead of
 the row has later positions; under sampling, first one in the row's own text), and
 proposes the tokens that follow it as a chain, repeating them when the chain outruns them
-(a row that cycles, matched in its own text, continues the cycle); or, for a tree, merges
-the continuations of several best matches into a trie and keeps its most frequent branches
-(`propose_tree`). The draft is a point mass that depends only on text emitted in earlier
+(a row that cycles, matched in its own text, continues the cycle); or, for a tree, grows
+each node's children from the matches of the row's text followed by the node's path and
+keeps the likeliest paths by the share of those matches each child has (`propose_tree`). The draft is a point mass that depends only on text emitted in earlier
 steps, never on this step's draws, so verification stays exact
 (`acceptance.recursive_rejection` with no q).
 
@@ -89,124 +89,188 @@ def build_context(texts: Sequence[Sequence[int]], groups: Sequence[int],
                       members=jnp.asarray(members))
 
 
-def _continuations(context: DraftContext, count: int, depth: int, config: NgramConfig,
-                   own_first: bool) -> tuple[jax.Array, jax.Array]:
-  """The tokens after each row's `count` best suffix matches among its members, best first
-  (longest; with own_first, then the row's own text; then latest) [B, count, depth], and
-  each one's length [B, count] (0: none).
-
-  A row with no match drafts whatever the clipped gather gives: a wrong draft costs its
-  verify slot, never exactness."""
-  length = context.tokens.shape[1]
-  n = config.max_ngram
+def _own_suffix(context: DraftContext, n: int) -> jax.Array:
+  """[B, n]: each row's last n tokens, the latest first (-1 before its text's start)."""
   own = jnp.maximum(context.members[:, 0], 0)
-  own_len = context.lengths[own]
-  back = own_len[:, None] - 1 - jnp.arange(n)[None, :]                # [B, n]
+  back = context.lengths[own][:, None] - 1 - jnp.arange(n)[None, :]
   suffix = jnp.take_along_axis(context.tokens[own], jnp.maximum(back, 0), axis=1)
-  suffix = jnp.where(back >= 0, suffix, -1)                           # never matches
-  member_ok = context.members >= 0
-  entries = context.tokens[jnp.maximum(context.members, 0)]           # [B, M, L]
-  # match[b, m, j]: how many of the row's last tokens end at position j of member m.
-  match = jnp.zeros(entries.shape, jnp.int32)
-  running = jnp.ones(entries.shape, bool)
-  for k in range(n):
-    shifted = jnp.pad(entries, ((0, 0), (0, 0), (k, 0)), constant_values=-1)[..., :length]
-    running = running & (shifted == suffix[:, k, None, None])
-    match = match + running
-  position = jnp.arange(length)
-  following = context.lengths[jnp.maximum(context.members, 0)][..., None] - 1 - position
-  usable = member_ok[..., None] & (match > 0) & (following > 0)
-  is_own = (jnp.arange(context.members.shape[1]) == 0)[None, :, None] & own_first
-  score = jnp.where(usable, (2 * match + is_own) * length + position, -1).reshape(
-      entries.shape[0], -1)
-  if count == 1:
-    best = argmax(score)[:, None]
-  else:
-    best = jax.lax.top_k(score, min(count, score.shape[1]))[1]
-  member, end = best // length, best % length                         # [B, K]
-  chosen = jnp.take_along_axis(entries, member[..., None], axis=1)    # [B, K, L]
-  # A match near the end of its text continues cyclically (a row that cycles goes on).
-  period = jnp.maximum(jnp.take_along_axis(following.reshape(score.shape), best, axis=1), 1)
-  after = end[..., None] + 1 + jnp.arange(depth) % period[..., None]
-  drafts = jnp.take_along_axis(chosen, jnp.clip(after, 0, length - 1), axis=2)
-  best_score = jnp.take_along_axis(score, best, axis=1)
-  return drafts, jnp.where(best_score >= 0, best_score // length // 2, 0)
+  return jnp.where(back >= 0, suffix, -1)
+
+
+def _member_lengths(context: DraftContext) -> jax.Array:
+  """[B, M]: the length of each entry a row reads (0: padding)."""
+  return jnp.where(context.members >= 0, context.lengths[jnp.maximum(context.members, 0)], 0)
 
 
 def propose_chain(context: DraftContext, depth: int, config: NgramConfig,
                   own_first: bool = False) -> tuple[jax.Array, jax.Array]:
-  """[B, depth] drafts: the tokens after each row's best suffix match among its members;
-  and the match's length [B] (0: none), which predicts how often the chain is accepted.
+  """[B, depth] drafts: the tokens after each row's best suffix match among its members
+  (longest; with own_first, then the row's own text; then latest), repeating them when the
+  chain outruns them (a row that cycles goes on); and the match's length [B] (0: none),
+  which predicts how often the chain is accepted. A row with no match drafts whatever the
+  clipped gather gives: a wrong draft costs its verify slot, never exactness.
 
   own_first (for sampling): of equally long matches, one in the row's own text before the
   latest elsewhere. A sampled row goes on wording things its own way: on SmolLM2 at T=1
   (G=8, an earlier epoch as context) its first draft is accepted 0.218 of the time instead
   of 0.190. Greedy siblings are copies of the row, so there the latest (a sibling ahead,
   at the same place) is the better source."""
-  drafts, matched = _continuations(context, 1, depth, config, own_first)
-  return drafts[:, 0], matched[:, 0]
+  length = context.tokens.shape[1]
+  suffix = _own_suffix(context, config.max_ngram)
+  entries = context.tokens[jnp.maximum(context.members, 0)]           # [B, M, L]
+  # match[b, m, j]: how many of the row's last tokens end at position j of member m.
+  match = jnp.zeros(entries.shape, jnp.int32)
+  running = jnp.ones(entries.shape, bool)
+  for k in range(config.max_ngram):
+    shifted = jnp.pad(entries, ((0, 0), (0, 0), (k, 0)), constant_values=-1)[..., :length]
+    running = running & (shifted == suffix[:, k, None, None])
+    match = match + running
+  following = _member_lengths(context)[..., None] - 1 - jnp.arange(length)
+  is_own = (jnp.arange(entries.shape[1]) == 0)[:, None] & own_first
+  score = jnp.where((match > 0) & (following > 0),
+                    (2 * match + is_own) * length + jnp.arange(length), -1)
+  b = entries.shape[0]
+  score, following = score.reshape(b, -1), following.reshape(b, -1)
+  best = argmax(score)[:, None]
+  period = jnp.maximum(jnp.take_along_axis(following, best, axis=1), 1)
+  # A match near the end of its text continues cyclically (a row that cycles goes on).
+  after = best + 1 + jnp.arange(depth) % period                       # within its member
+  drafts = jnp.take_along_axis(entries.reshape(b, -1), after, axis=1)
+  best_score = jnp.take_along_axis(score, best, axis=1)[:, 0]
+  return drafts, jnp.where(best_score >= 0, best_score // length // 2, 0)
+
+
+# A tree node's children are counted from the latest `_TREE_MATCHES` occurrences of its
+# last token, a match one token longer counting `_LONGER_MATCH_WEIGHT` times as much.
+# SmolLM2 T=1 in-step replay, tokens per step: 128 occurrences add 0.1%, and the 64 with
+# the longest matches instead of the latest the same; a weight of 8 against 1, +1.5% at
+# 64 nodes, and 32 the same as 8.
+_TREE_MATCHES = 64
+_LONGER_MATCH_WEIGHT = 8.0
+
+
+def _occurrences(context: DraftContext) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The positions of a row's members that have a token after them, sorted by token, then
+  by position (the latest last; the rest sort after them all): their tokens and flat
+  indices [B, M * L]; and the members' tokens, flattened [B, M * L]."""
+  length = context.tokens.shape[1]
+  entries = context.tokens[jnp.maximum(context.members, 0)]           # [B, M, L]
+  b, m, _ = entries.shape
+  has_next = jnp.arange(length) < _member_lengths(context)[..., None] - 1
+  key = jnp.where(has_next, entries, jnp.iinfo(jnp.int32).max).reshape(b, -1)
+  position = jnp.broadcast_to(jnp.arange(length), (b, m, length)).reshape(b, -1)
+  flat = jnp.broadcast_to(jnp.arange(m * length), (b, m * length))
+  tokens, _, index = jax.lax.sort((key, position, flat), dimension=1, num_keys=3)
+  return tokens, index, entries.reshape(b, -1)
+
+
+def _children(occurrences, length: int, window, log_prob, topk: int, width: int):
+  """The next level of a tree from its frontier's last `max_ngram` tokens [B, F, n] (the
+  row's text then the node's path, the latest first; -1 before the text) and path
+  log-probs [B, F]: a node's children are the tokens after the latest occurrences of its
+  last token, each weighing `_LONGER_MATCH_WEIGHT` to the length of the suffix it
+  matches, a child's estimated probability its share; at most `topk` a node, and the
+  level keeps the `width` likeliest paths. Returns their tokens, log-probs (-inf: none)
+  and parents [B, width], and each frontier node's longest match [B, F] (0: none)."""
+  sorted_tokens, index, flat = occurrences
+  b, _, n = window.shape
+  search = jax.vmap(lambda a, v: jnp.searchsorted(a, v, side="right"))
+  end = search(sorted_tokens, window[..., 0])                         # [B, F]
+  slot = end[..., None] - _TREE_MATCHES + jnp.arange(_TREE_MATCHES)   # [B, F, C]
+  found = (slot >= 0) & (jnp.take_along_axis(sorted_tokens[:, None], jnp.maximum(slot, 0),
+                                             axis=2) == window[..., :1])
+  at = jnp.take_along_axis(index[:, None], jnp.maximum(slot, 0), axis=2)
+  matched = jnp.ones(at.shape, jnp.int32)
+  running = found
+  for k in range(1, n):   # the suffix it ends, back within its member
+    before = jnp.take_along_axis(flat[:, None], jnp.maximum(at - k, 0), axis=2)
+    running = running & (at % length >= k) & (before == window[..., k:k + 1])
+    matched = matched + running
+  nexts = jnp.take_along_axis(flat[:, None], jnp.minimum(at + 1, flat.shape[1] - 1), axis=2)
+  weight = jnp.where(found, _LONGER_MATCH_WEIGHT ** (matched - n).astype(jnp.float32), 0.0)
+  same = (nexts[..., :, None] == nexts[..., None, :]) & found[..., None, :]
+  later = jnp.triu(jnp.ones((_TREE_MATCHES,) * 2, bool), 1)
+  first = found & ~jnp.any(same & later, axis=-1)                     # a token's latest
+  share = jnp.sum(jnp.where(same, weight[..., None, :], 0.0), axis=-1) / jnp.maximum(
+      jnp.sum(weight, axis=-1, keepdims=True), 1e-30)
+  child = jnp.where(first, log_prob[..., None] + jnp.log(jnp.where(first, share, 1.0)),
+                    -jnp.inf)
+  per_node = min(topk, _TREE_MATCHES)
+  child, pick = jax.lax.top_k(child, per_node)                        # [B, F, K]
+  tokens = jnp.take_along_axis(nexts, pick, axis=2).reshape(b, -1)
+  child, pick = jax.lax.top_k(child.reshape(b, -1), width)
+  return (jnp.take_along_axis(tokens, pick, axis=1), child, pick // per_node,
+          jnp.max(jnp.where(found, matched, 0), axis=2))
 
 
 def propose_tree(context: DraftContext, depth: int, topk: int, nodes: int,
-                 config: NgramConfig, own_first: bool = False
-                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-  """A tree of `nodes` drafts below the root: the trie of the continuations of each row's
-  `nodes` best matches, where a node's weight is how many of them pass through it. Each
-  node keeps its `topk` heaviest children (heaviest tried first), and the heaviest nodes
-  fill the budget (a parent weighs at least as much as its child, so every kept node's
-  parent is kept). Where the trie has fewer nodes, the rest repeat the first child of the
-  root: tried after it, a point mass on a rejected token is rejected in turn.
+                 config: NgramConfig
+                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+  """A tree of `nodes` drafts below the root, grown level by level from the group's text:
+  a node's children are the tokens that followed the latest occurrences of its last token,
+  each counting more the longer the suffix of the row's text and the node's path (the
+  drafts above it) it ends (`_children`), and a child's estimated probability is its
+  share; at most `topk` children a node. The tree holds the `nodes` paths of highest
+  estimated probability (a path is never likelier than its parent, so each kept node's
+  parent is kept). Matching again at every node, not following the root's matches alone,
+  a node's children include what followed its token elsewhere in the text: SmolLM2 T=1
+  in-step replay (G=8, two prompt sets), tokens per step +3% at 64 nodes, +5% at 256,
+  over the trie of the root's matches' continuations. Where fewer paths exist, the rest
+  repeat the first child of the root: tried after it, a point mass on a rejected token is
+  rejected in turn.
 
   Returns tokens, depths (1..depth), parents (verify index: 0 is the root, node i is
   verify index i + 1) [B, nodes] each, and ancestors [B, nodes, nodes] (each node's
-  ancestors below the root, itself included), in verify order: by depth, siblings
-  heaviest first; and the best match's length [B] (0: none). own_first: as
-  `propose_chain`'s, for which matches are gathered first."""
-  # [B, K, D], [B, K]
-  drafts, matched = _continuations(context, nodes, depth, config, own_first)
-  found = matched > 0
-  b, k, _ = drafts.shape
-  # same[b, n, m, d]: candidates n and m agree on their first d + 1 tokens.
-  same = jnp.cumprod(drafts[:, :, None, :] == drafts[:, None, :, :], axis=-1).astype(bool)
-  same = same & found[:, :, None, None] & found[:, None, :, None]
-  first = jnp.argmax(same, axis=2)                                    # [B, K, D]: node id
-  weight = jnp.sum(same, axis=2)                                      # [B, K, D]
-  is_node = (first == jnp.arange(k)[None, :, None]) & found[:, :, None]
-  # The node (n, d)'s parent is (first[n, d - 1], d - 1); the root's children have -1.
-  parent = jnp.concatenate([jnp.full((b, k, 1), -1), first[..., :-1]], axis=-1)
-  level = jnp.arange(depth)
-  # heavier[b, n, m, d]: candidate m's node outweighs n's (at equal weight, the earlier).
-  w_n, w_m = weight[:, :, None], weight[:, None, :]
-  earlier = (jnp.arange(k)[None, :] < jnp.arange(k)[:, None])[None, :, :, None]
-  heavier = (w_m > w_n) | ((w_m == w_n) & earlier)
-  siblings = is_node[:, None] & (parent[:, None] == parent[:, :, None])
-  kept = is_node & (jnp.sum(siblings & heavier, axis=2) < topk)
-  keep = [kept[..., 0]]
-  for d in range(1, depth):          # a node is kept only under a kept parent
-    keep.append(kept[..., d] & jnp.take_along_axis(keep[-1], first[..., d - 1], axis=1))
-  kept = jnp.stack(keep, axis=-1)
-  # Heavier first; at equal weight the shallower (a parent before its child).
-  priority = jnp.where(kept, weight * (depth + 1) - level, -1).reshape(b, k * depth)
-  top, sel = jax.lax.top_k(priority, nodes)                           # [B, nodes]
-  real = top >= 0
-  order = jnp.argsort(jnp.where(real, sel % depth, depth), axis=1, stable=True)
-  sel, real = jnp.take_along_axis(sel, order, axis=1), jnp.take_along_axis(real, order, axis=1)
-  flat = lambda x: jnp.take_along_axis(x.reshape(b, k * depth), sel, axis=1)
-  parent_id = flat(parent * depth + level - 1)                        # its n * depth + d
-  parents = jnp.where(parent_id < 0, 0, jnp.argmax(
-      sel[:, None, :] == parent_id[:, :, None], axis=-1) + 1)
-  # Node j is an ancestor of node i, or i itself: i's candidate agrees with j's through
-  # j's depth, and j is not deeper.
-  rows = jnp.take_along_axis(same.reshape(b, k, k * depth), (sel // depth)[..., None], axis=1)
-  ancestors = jnp.take_along_axis(rows, sel[:, None, :], axis=2)
-  depths = sel % depth + 1
-  ancestors = ancestors & (depths[:, None, :] <= depths[:, :, None])
-  # Padding nodes: the first child of the root again, attending to itself alone.
+  ancestors below the root, itself included), in verify order: by depth, then likeliest
+  first; and the longest match among the root's [B] (0: none)."""
+  occurrences = _occurrences(context)
+  b = context.members.shape[0]
+  window, log_prob = _own_suffix(context, config.max_ngram)[:, None], jnp.zeros((b, 1))
+  paths = jnp.zeros((b, 1, 0), jnp.int32)   # each frontier node's slot on each level so far
+  levels = []
+  for level in range(depth):
+    width = min(nodes, window.shape[1] * topk)
+    tokens, log_prob, parent, matched = _children(occurrences, context.tokens.shape[1],
+                                                  window, log_prob, topk, width)
+    if level == 0:
+      root_match = matched[:, 0]
+    window = jnp.concatenate([tokens[..., None], jnp.take_along_axis(
+        window, parent[..., None], axis=1)[..., :-1]], axis=2)
+    paths = jnp.concatenate([jnp.take_along_axis(paths, parent[..., None], axis=1),
+                             jnp.broadcast_to(jnp.arange(width), (b, width))[..., None]],
+                            axis=2)
+    levels.append((tokens, log_prob,
+                   jnp.pad(paths, ((0, 0), (0, 0), (0, depth - level - 1)))))
+  widths = [tokens.shape[1] for tokens, _, _ in levels]
+  spare = max(nodes - sum(widths), 0)       # a budget past every level: padding slots
+  levels.append((jnp.zeros((b, spare), jnp.int32), jnp.full((b, spare), -jnp.inf),
+                 jnp.zeros((b, spare, depth), jnp.int32)))
+  widths[-1] += spare
+  tokens, log_prob, paths = (jnp.concatenate(x, axis=1) for x in zip(*levels))
+  slot_level = jnp.asarray(np.repeat(np.arange(depth), widths))
+  slot_beam = jnp.asarray(np.concatenate([np.arange(w) for w in widths]))
+  offsets = jnp.asarray(np.cumsum([0] + widths[:-1]))
+  # Likeliest first; at equal log-prob the shallower (top_k: the lower slot), a parent
+  # before its child. Then in verify order, by depth.
+  top, sel = jax.lax.top_k(log_prob, nodes)
+  real = top > -jnp.inf
+  order = jnp.argsort(jnp.where(real, slot_level[sel], depth), axis=1, stable=True)
+  sel, real = (jnp.take_along_axis(x, order, axis=1) for x in (sel, real))
+  level, beam = slot_level[sel], slot_beam[sel]
+  path = jnp.take_along_axis(paths, sel[..., None], axis=1)           # [B, nodes, depth]
+  above = jnp.maximum(level - 1, 0)
+  parent_slot = jnp.where(level > 0, offsets[above] + jnp.take_along_axis(
+      path, above[..., None], axis=2)[..., 0], -1)
+  parents = jnp.where(parent_slot < 0, 0, jnp.argmax(
+      sel[:, None, :] == parent_slot[:, :, None], axis=-1) + 1)
+  # Node j is an ancestor of node i, or i itself: i's path passes j's slot on j's level.
+  through = jnp.einsum("bid,bjd->bij", path, jax.nn.one_hot(level, depth, dtype=jnp.int32))
+  ancestors = (through == beam[:, None, :]) & (level[:, None, :] <= level[:, :, None])
+  tokens = jnp.take_along_axis(tokens, sel, axis=1)
   eye = jnp.eye(nodes, dtype=bool)[None]
-  tokens = flat(drafts)
-  tokens = jnp.where(real, tokens, tokens[:, :1])
-  return (tokens, jnp.where(real, depths, 1), jnp.where(real, parents, 0),
-          jnp.where(real[:, :, None], ancestors & real[:, None, :], eye), matched[:, 0])
+  return (jnp.where(real, tokens, tokens[:, :1]), jnp.where(real, level + 1, 1),
+          jnp.where(real, parents, 0),
+          jnp.where(real[:, :, None], ancestors & real[:, None, :], eye), root_match)
 
 
 def append(context: DraftContext, tokens: jax.Array, counts: jax.Array) -> DraftContext:

@@ -511,8 +511,7 @@ def spec_step(params: Params, drafter: DrafterParams | None, head: jax.Array | N
   # pick and counts read it; a learned step has none).
   if kind == "ngram" and strategy.topk > 1:
     *nodes, matched = ngram.propose_tree(state.context, depth, strategy.topk,
-                                         strategy.verify_tokens - 1, ngram_config,
-                                         own_first=own_first)
+                                         strategy.verify_tokens - 1, ngram_config)
     model_free = _ngram_tree(base.last_tokens, nodes)
   elif kind != "learned":
     drafts, matched = ngram.propose_chain(
