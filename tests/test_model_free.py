@@ -94,7 +94,7 @@ def test_tree_rematches_every_node_and_keeps_the_likeliest_paths():
   tokens, depths, parents, ancestors, matched = (np.asarray(x)[0] for x in ngram.propose_tree(
       context, 3, 2, 6, NgramConfig(max_ngram=2)))
   assert matched == 2
-  # 3 (.75), 3 4 (.75), 3 4 5 (.5), then at .25: 7, 7 8 (8/9 of it: .22) loses to 3 4 6.
+  # 3 (.75), 3 4 (.75), 3 4 5 (.5), then at .25 7, 7 8 and 3 4 6 (7 8 9 ties, after them).
   assert tokens.tolist() == [3, 7, 4, 8, 5, 6]
   assert depths.tolist() == [1, 1, 2, 2, 3, 3] and parents.tolist() == [0, 0, 1, 2, 3, 3]
   assert np.array_equal(ancestors, [[1, 0, 0, 0, 0, 0], [0, 1, 0, 0, 0, 0],
@@ -106,57 +106,72 @@ def test_tree_rematches_every_node_and_keeps_the_likeliest_paths():
   assert tokens.tolist() == [3, 4, 3, 3] and parents.tolist() == [0, 1, 0, 0]
   assert depths.tolist() == [1, 2, 1, 1]
   assert np.array_equal(ancestors[2:], np.eye(4, dtype=bool)[2:])
+  # At equal share the child seen latest comes first (6 after the last "1 2", 5 before);
+  # a node may have more children than the occurrences it counts.
+  cycles = ngram.build_context([[1, 2, 5, 0, 1, 2, 6, 0, 1, 2]], [0], np.array([0]), 16)
+  for topk, nodes in ((1, 1), (2, 2), (100, 120)):
+    tokens = np.asarray(ngram.propose_tree(cycles, 1, topk, nodes, NgramConfig(2))[0])[0]
+    assert tokens.tolist()[:2] == [6, 5][:nodes]
 
 
-def _shares(texts, path, max_ngram):
-  """A node's children and their estimated probabilities, written apart from ngram.py:
-  the latest 64 positions (by position, then text) of the last token of the row's text
-  (texts[0]) plus the node's path, each followed by a token, counting 8^(the length of the
-  suffix it ends)."""
+def _children_of(texts, path, max_ngram):
+  """A node's children, written apart from ngram.py: the latest 64 positions (by position,
+  then text) of the last token of the row's text (texts[0]) plus the node's path that are
+  followed by a token, each counting 8^(the length of the suffix it ends); a child's share
+  is its weight's. Returns [(token, share)], likeliest first, at equal share the one seen
+  latest first; and the longest suffix among those positions (0: none)."""
   suffix = (texts[0] + list(path))[-max_ngram:][::-1]
   found = sorted((j, m) for m, text in enumerate(texts) for j in range(len(text) - 1)
-                 if text[j] == suffix[0])
-  weight = collections.Counter()
-  for j, m in found[-64:]:
+                 if text[j] == suffix[0])[-64:]
+  weight, latest, longest = collections.Counter(), {}, 0
+  for rank, (j, m) in enumerate(found):
     k = 1
     while k < len(suffix) and j - k >= 0 and texts[m][j - k] == suffix[k]:
       k += 1
     weight[texts[m][j + 1]] += 8.0 ** k
-  return {token: w / sum(weight.values()) for token, w in weight.items()}
+    latest[texts[m][j + 1]] = rank
+    longest = max(longest, k)
+  total = sum(weight.values())
+  return sorted(((token, w / total) for token, w in weight.items()),
+                key=lambda child: (-child[1], -latest[child[0]])), longest
 
 
-def _best_first_tree(texts, depth, nodes, max_ngram):
-  """{path: estimated probability} of the likeliest `nodes` paths, expanded one node at a
-  time from a heap."""
+def _best_first_tree(texts, depth, topk, nodes, max_ngram):
+  """{path: estimated probability} of the likeliest `nodes` paths, each node's best `topk`
+  children, expanded one node at a time from a heap."""
   import heapq
   heap, kept = [(-1.0, ())], {}
   while heap and len(kept) < nodes + 1:
     prob, path = heapq.heappop(heap)
     kept[path] = -prob
     if len(path) < depth:
-      for token, share in _shares(texts, path, max_ngram).items():
+      for token, share in _children_of(texts, path, max_ngram)[0][:topk]:
         heapq.heappush(heap, (prob * share, path + (token,)))
   del kept[()]
   return kept
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(8))
 def test_tree_holds_the_likeliest_paths_of_a_best_first_search(seed):
   """Random group texts (many ties; from seed 4 on, tokens that occur more than the 64
-  times a node counts): the tree's paths are distinct, each below its parent, its
-  ancestors exactly the paths it extends, and their estimated probabilities are those of
-  the `nodes` likeliest (a heap search grown one node at a time, written apart from the
-  level-by-level jnp tree; equal probabilities may swap)."""
+  times a node counts), random `topk` and `max_ngram`, and a padding row: the tree's
+  paths are distinct, each below its parent, its ancestors exactly the paths it extends,
+  and their estimated probabilities are those of the `nodes` likeliest (a heap search
+  grown one node at a time, written apart from the level-by-level jnp tree; equal
+  probabilities may swap); the padding row drafts padding alone."""
   from tlt_jax.rollout import ngram
   rng = np.random.default_rng(seed)
   vocab, longest = (5, 30) if seed < 4 else (3, 120)
   texts = [rng.integers(0, vocab, size=int(rng.integers(8, longest))).tolist()
            for _ in range(3)]
-  depth, nodes = 3, 12
-  context = ngram.build_context(texts, [0, 0, 0], np.array([0]), 128)
-  tokens, depths, parents, ancestors, _ = (np.asarray(x)[0] for x in ngram.propose_tree(
-      context, depth, 64, nodes, NgramConfig(max_ngram=3)))
-  want = _best_first_tree(texts, depth, nodes, 3)
+  depth, topk, nodes, max_ngram = 3, int(rng.integers(1, 4)), 12, int(rng.integers(1, 5))
+  context = ngram.build_context(texts, [0, 0, 0], np.array([0, -1]), 128)
+  drafted = [np.asarray(x) for x in ngram.propose_tree(
+      context, depth, topk, nodes, NgramConfig(max_ngram=max_ngram))]
+  tokens, depths, parents, ancestors, matched = (x[0] for x in drafted)
+  want = _best_first_tree(texts, depth, topk, nodes, max_ngram)
+  assert matched == _children_of(texts, (), max_ngram)[1]
+  assert drafted[4][1] == 0 and drafted[2][1].tolist() == [0] * nodes   # the padding row
   paths = []
   for i in range(nodes):
     parent = () if parents[i] == 0 else paths[parents[i] - 1]
@@ -168,8 +183,9 @@ def test_tree_holds_the_likeliest_paths_of_a_best_first_search(seed):
   for i in range(real):
     assert set(np.flatnonzero(ancestors[i])) == {
         j for j in range(real) if paths[i][:len(paths[j])] == paths[j]}
-  got = sorted(np.prod([_shares(texts, path[:d], 3)[path[d]]
-                        for d in range(len(path))]) for path in paths[:real])
+  share = lambda path: dict(_children_of(texts, path[:-1], max_ngram)[0])[path[-1]]
+  got = sorted(np.prod([share(path[:d + 1]) for d in range(len(path))])
+               for path in paths[:real])
   np.testing.assert_allclose(got, sorted(want.values()), rtol=1e-5)
 
 

@@ -9,8 +9,9 @@ longest match (then the latest position: recent text predicts best, and a siblin
 the row has later positions; under sampling, first one in the row's own text), and
 proposes the tokens that follow it as a chain, repeating them when the chain outruns them
 (a row that cycles, matched in its own text, continues the cycle); or, for a tree, grows
-each node's children from the matches of the row's text followed by the node's path and
-keeps the likeliest paths by the share of those matches each child has (`propose_tree`). The draft is a point mass that depends only on text emitted in earlier
+each node's children from the matches of the row's text followed by the node's path, and
+keeps the paths most likely by the weighted share of those matches each child has
+(`propose_tree`). The draft is a point mass that depends only on text emitted in earlier
 steps, never on this step's draws, so verification stays exact
 (`acceptance.recursive_rejection` with no q).
 
@@ -97,6 +98,11 @@ def _own_suffix(context: DraftContext, n: int) -> jax.Array:
   return jnp.where(back >= 0, suffix, -1)
 
 
+def _member_tokens(context: DraftContext) -> jax.Array:
+  """[B, M, L]: the entries each row reads (a padding member reads entry 0, length 0)."""
+  return context.tokens[jnp.maximum(context.members, 0)]
+
+
 def _member_lengths(context: DraftContext) -> jax.Array:
   """[B, M]: the length of each entry a row reads (0: padding)."""
   return jnp.where(context.members >= 0, context.lengths[jnp.maximum(context.members, 0)], 0)
@@ -117,7 +123,7 @@ def propose_chain(context: DraftContext, depth: int, config: NgramConfig,
   at the same place) is the better source."""
   length = context.tokens.shape[1]
   suffix = _own_suffix(context, config.max_ngram)
-  entries = context.tokens[jnp.maximum(context.members, 0)]           # [B, M, L]
+  entries = _member_tokens(context)                                   # [B, M, L]
   # match[b, m, j]: how many of the row's last tokens end at position j of member m.
   match = jnp.zeros(entries.shape, jnp.int32)
   running = jnp.ones(entries.shape, bool)
@@ -154,7 +160,7 @@ def _occurrences(context: DraftContext) -> tuple[jax.Array, jax.Array, jax.Array
   by position (the latest last; the rest sort after them all): their tokens and flat
   indices [B, M * L]; and the members' tokens, flattened [B, M * L]."""
   length = context.tokens.shape[1]
-  entries = context.tokens[jnp.maximum(context.members, 0)]           # [B, M, L]
+  entries = _member_tokens(context)
   b, m, _ = entries.shape
   has_next = jnp.arange(length) < _member_lengths(context)[..., None] - 1
   key = jnp.where(has_next, entries, jnp.iinfo(jnp.int32).max).reshape(b, -1)
@@ -169,14 +175,16 @@ def _children(occurrences, length: int, window, log_prob, topk: int, width: int)
   row's text then the node's path, the latest first; -1 before the text) and path
   log-probs [B, F]: a node's children are the tokens after the latest occurrences of its
   last token, each weighing `_LONGER_MATCH_WEIGHT` to the length of the suffix it
-  matches, a child's estimated probability its share; at most `topk` a node, and the
-  level keeps the `width` likeliest paths. Returns their tokens, log-probs (-inf: none)
-  and parents [B, width], and each frontier node's longest match [B, F] (0: none)."""
+  matches, a child's estimated probability its share; at most `topk` a node (at equal
+  share, the one seen latest first: recent text predicts best), and the level keeps the
+  `width` likeliest paths. Returns their tokens, log-probs (-inf: none) and parents
+  [B, width], and each frontier node's longest match among those occurrences [B, F]
+  (0: none)."""
   sorted_tokens, index, flat = occurrences
   b, _, n = window.shape
   search = jax.vmap(lambda a, v: jnp.searchsorted(a, v, side="right"))
   end = search(sorted_tokens, window[..., 0])                         # [B, F]
-  slot = end[..., None] - _TREE_MATCHES + jnp.arange(_TREE_MATCHES)   # [B, F, C]
+  slot = end[..., None] - 1 - jnp.arange(_TREE_MATCHES)               # [B, F, C], latest first
   found = (slot >= 0) & (jnp.take_along_axis(sorted_tokens[:, None], jnp.maximum(slot, 0),
                                              axis=2) == window[..., :1])
   at = jnp.take_along_axis(index[:, None], jnp.maximum(slot, 0), axis=2)
@@ -187,20 +195,22 @@ def _children(occurrences, length: int, window, log_prob, topk: int, width: int)
     running = running & (at % length >= k) & (before == window[..., k:k + 1])
     matched = matched + running
   nexts = jnp.take_along_axis(flat[:, None], jnp.minimum(at + 1, flat.shape[1] - 1), axis=2)
-  weight = jnp.where(found, _LONGER_MATCH_WEIGHT ** (matched - n).astype(jnp.float32), 0.0)
+  longest = jnp.max(jnp.where(found, matched, 0), axis=2)              # [B, F]
+  # Relative to the node's longest match, so the weights neither overflow nor vanish.
+  weight = jnp.where(found, _LONGER_MATCH_WEIGHT ** (matched - longest[..., None]).astype(
+      jnp.float32), 0.0)
   same = (nexts[..., :, None] == nexts[..., None, :]) & found[..., None, :]
-  later = jnp.triu(jnp.ones((_TREE_MATCHES,) * 2, bool), 1)
-  first = found & ~jnp.any(same & later, axis=-1)                     # a token's latest
+  later = jnp.tril(jnp.ones((_TREE_MATCHES,) * 2, bool), -1)
+  latest_of_token = found & ~jnp.any(same & later, axis=-1)
   share = jnp.sum(jnp.where(same, weight[..., None, :], 0.0), axis=-1) / jnp.maximum(
-      jnp.sum(weight, axis=-1, keepdims=True), 1e-30)
-  child = jnp.where(first, log_prob[..., None] + jnp.log(jnp.where(first, share, 1.0)),
-                    -jnp.inf)
+      jnp.sum(weight, axis=-1, keepdims=True), 1.0)
+  child = jnp.where(latest_of_token, log_prob[..., None] + jnp.log(
+      jnp.where(latest_of_token, share, 1.0)), -jnp.inf)
   per_node = min(topk, _TREE_MATCHES)
   child, pick = jax.lax.top_k(child, per_node)                        # [B, F, K]
   tokens = jnp.take_along_axis(nexts, pick, axis=2).reshape(b, -1)
   child, pick = jax.lax.top_k(child.reshape(b, -1), width)
-  return (jnp.take_along_axis(tokens, pick, axis=1), child, pick // per_node,
-          jnp.max(jnp.where(found, matched, 0), axis=2))
+  return jnp.take_along_axis(tokens, pick, axis=1), child, pick // per_node, longest
 
 
 def propose_tree(context: DraftContext, depth: int, topk: int, nodes: int,
@@ -222,26 +232,27 @@ def propose_tree(context: DraftContext, depth: int, topk: int, nodes: int,
   Returns tokens, depths (1..depth), parents (verify index: 0 is the root, node i is
   verify index i + 1) [B, nodes] each, and ancestors [B, nodes, nodes] (each node's
   ancestors below the root, itself included), in verify order: by depth, then likeliest
-  first; and the longest match among the root's [B] (0: none)."""
+  first; and the root's longest suffix match among the `_TREE_MATCHES` latest
+  occurrences of the row's last token [B] (0: none)."""
   occurrences = _occurrences(context)
   b = context.members.shape[0]
   window, log_prob = _own_suffix(context, config.max_ngram)[:, None], jnp.zeros((b, 1))
   paths = jnp.zeros((b, 1, 0), jnp.int32)   # each frontier node's slot on each level so far
   levels = []
-  for level in range(depth):
-    width = min(nodes, window.shape[1] * topk)
-    tokens, log_prob, parent, matched = _children(occurrences, context.tokens.shape[1],
+  for depth_above in range(depth):
+    width = min(nodes, window.shape[1] * min(topk, _TREE_MATCHES))
+    tokens, log_prob, parent, longest = _children(occurrences, context.tokens.shape[1],
                                                   window, log_prob, topk, width)
-    if level == 0:
-      root_match = matched[:, 0]
+    if depth_above == 0:
+      root_match = longest[:, 0]
     window = jnp.concatenate([tokens[..., None], jnp.take_along_axis(
         window, parent[..., None], axis=1)[..., :-1]], axis=2)
     paths = jnp.concatenate([jnp.take_along_axis(paths, parent[..., None], axis=1),
                              jnp.broadcast_to(jnp.arange(width), (b, width))[..., None]],
                             axis=2)
     levels.append((tokens, log_prob,
-                   jnp.pad(paths, ((0, 0), (0, 0), (0, depth - level - 1)))))
-  widths = [tokens.shape[1] for tokens, _, _ in levels]
+                   jnp.pad(paths, ((0, 0), (0, 0), (0, depth - depth_above - 1)))))
+  widths = [level_tokens.shape[1] for level_tokens, _, _ in levels]
   spare = max(nodes - sum(widths), 0)       # a budget past every level: padding slots
   levels.append((jnp.zeros((b, spare), jnp.int32), jnp.full((b, spare), -jnp.inf),
                  jnp.zeros((b, spare, depth), jnp.int32)))

@@ -21,8 +21,9 @@ class SpecStrategy:
   draft log-prob (when sampling, by the row's acceptance rate so far per level and draw
   rank: a shape fixed before the step's draws, as exact rejection sampling needs), and
   the best `verify_tokens - 1` nodes of the tree are verified. A model-free tree holds
-  the paths most matches in the group's text take, each node matched again with its path,
-  `topk` children per node (`ngram.propose_tree`); a hybrid's drafts are chains.
+  the likeliest paths by the share of the group text's matches (each node matched again
+  with its path, a longer match counting more) each child has, `topk` children per node
+  (`ngram.propose_tree`); a hybrid's drafts are chains.
 
   drafter: the kind that drafts (`DRAFTER_KINDS`); None: the rollout's own
   (`SpecConfig.kind_of`). Named as a prefix, e.g. `ngram:4_1_5`.
