@@ -200,8 +200,8 @@ def _children(occurrences, length: int, window, log_prob, topk: int, width: int)
   weight = jnp.where(found, _LONGER_MATCH_WEIGHT ** (matched - longest[..., None]).astype(
       jnp.float32), 0.0)
   same = (nexts[..., :, None] == nexts[..., None, :]) & found[..., None, :]
-  later = jnp.tril(jnp.ones((_TREE_MATCHES,) * 2, bool), -1)
-  latest_of_token = found & ~jnp.any(same & later, axis=-1)
+  more_recent = jnp.tril(jnp.ones((_TREE_MATCHES,) * 2, bool), -1)
+  latest_of_token = found & ~jnp.any(same & more_recent, axis=-1)
   share = jnp.sum(jnp.where(same, weight[..., None, :], 0.0), axis=-1) / jnp.maximum(
       jnp.sum(weight, axis=-1, keepdims=True), 1.0)
   child = jnp.where(latest_of_token, log_prob[..., None] + jnp.log(
