@@ -12,12 +12,13 @@ that level's draft is accepted is at most m_t: the target's probability of the `
 likeliest such tokens, an oracle choice no drafter can beat. Emitted tokens follow plain
 sampling whatever the drafts, so walking the sampled responses with level j accepted with
 probability m_{t+j}, up to --depth levels, draws from a process that accepts at least as
-much as any such drafter; its tokens per step bound the accept length. With --in_step, the
-siblings are generated beside each other instead (model_free.py's batch >= G, one live
-batch holding the group): sample i reads the other samples' first t tokens at position t
-(in a rollout, rows that accept more run a few tokens ahead, so there it is an estimate,
-not a strict bound); with --engine_strategy, the group's responses are the engine's own
-model-free rollout (one live batch, siblings in step) and its accept length is reported
+much as any such drafter; its tokens per step bound the accept length. With --live_batch=B,
+the samples are generated B at a time instead (model_free.py's batch B): sample i reads the
+finished samples of the batches before its own, and the others of its batch up to
+position t, as they are written (in a rollout, rows that accept more run a few tokens
+ahead, so there it is an estimate, not a strict bound); with --engine_strategy (B >= G),
+the group's responses are the engine's own model-free rollout (one live batch, siblings in
+step) and its accept length is reported
 beside the bound on those very texts, a paired ratio. Prints JSON: the bound per tree
 size, the mean of m_t, and the fraction of positions whose last token occurs earlier at
 all. And how often a first draft is accepted (the mean of p at it) for our chain and for
@@ -78,11 +79,14 @@ _OUTPUT = flags.DEFINE_string("output", None, "Also write the JSON here.")
 _SEED = flags.DEFINE_integer("seed", 12345, "Prompt seed (as model_free.py's).")
 _EPOCH = flags.DEFINE_bool("epoch", False, "Model-free drafts also read an earlier epoch: "
                            "G more responses to each prompt, at another seed.")
-_IN_STEP = flags.DEFINE_bool("in_step", False, "Siblings generated beside each other (a "
-                             "live batch holding the whole group, as model_free.py's batch "
-                             ">= G): sample i reads the others' first t tokens at position "
-                             "t, instead of samples 0..i-1 finished. The bound only.")
-_ENGINE = flags.DEFINE_string("engine_strategy", None, "With --in_step: each group's "
+_LIVE_BATCH = flags.DEFINE_integer(
+    "live_batch", 1, "The samples of a group are generated this many at a time (as "
+    "model_free.py's --batches): sample i reads the finished samples of the batches before "
+    "its own and the others of its batch up to position t, as they are written. 1: one at "
+    "a time (sample i reads samples 0..i-1); >= --group_size: the whole group in one live "
+    "batch.", lower_bound=1)
+_ENGINE = flags.DEFINE_string("engine_strategy", None, "With --live_batch >= --group_size: "
+                              "each group's "
                               "responses come from the engine's own model-free rollout at "
                               "this strategy (e.g. 4_16_65; lossless, so they are plain "
                               "samples too), whose accept length is reported beside the "
@@ -95,6 +99,16 @@ _DRAFT_COSTS = flags.DEFINE_list("draft_costs", ["0.2"], "The learned drafter's 
                                  "verify step, in verify steps (d): one bound each (measure "
                                  "d at each live batch size; 0 bounds a batch whose drafter "
                                  "runs anyway, where a row's pick changes only its accepts).")
+
+
+def arrangement(texts: list[list[int]], i: int, live_batch: int
+                ) -> tuple[list[list[int]], list[list[int]]]:
+  """What sample i of a group generated `live_batch` samples at a time reads besides its own
+  text: the finished samples of the batches before its own, and the others of its batch
+  (read as they are written)."""
+  first = i - i % live_batch
+  return texts[:first], [t for j, t in enumerate(texts[first:first + live_batch], first)
+                         if j != i]
 
 
 def successor_mass(probs, text, start: int, earlier: list[list[int]], nodes: int,
@@ -170,10 +184,11 @@ def count_rule_drafts(text, start: int, earlier: list[list[int]], max_ngram: int
   return drafts
 
 
-def chain_accepts(text, start: int, earlier: list[list[int]], max_ngram: int, depth: int):
+def chain_accepts(text, start: int, earlier: list[list[int]], max_ngram: int, depth: int,
+                  in_step: list[list[int]] = ()):
   """[n, depth] 0/1: for each position t >= start of `text`, whether level j of the chain
-  `ngram.propose_chain` drafts for a step starting there (from text[:t] and the earlier
-  texts) is accepted: its draft and the ones before it equal the text; [n] the length of
+  `ngram.propose_chain` drafts for a step starting there (from text[:t], the earlier texts
+  and the `in_step` texts' first t tokens) is accepted: its draft and the ones before it equal the text; [n] the length of
   the match it follows (0: none), which the hybrid's pick sees before the step; and
   [n, depth] its drafts (-1: no match)."""
   import numpy as np
@@ -184,7 +199,7 @@ def chain_accepts(text, start: int, earlier: list[list[int]], max_ngram: int, de
   config = ngram.NgramConfig(max_ngram=max_ngram)
   # One pool length for every position of a response: one compiled program, not an eager
   # dispatch of every op at every position.
-  length = max(len(t) for t in [text] + earlier)
+  length = max(len(t) for t in [text, *earlier, *in_step])
   # The text is sampled (temperature > 0): the engine's sampling ranking.
   propose = jax.jit(lambda context: ngram.propose_chain(context, depth, config,
                                                         own_first=True))
@@ -192,8 +207,8 @@ def chain_accepts(text, start: int, earlier: list[list[int]], max_ngram: int, de
   match_lengths = np.zeros(len(text) - start, int)
   drafted = np.full((len(text) - start, depth), -1)
   for t in range(start, len(text)):
-    context = ngram.build_context([text[:t]] + earlier, [0] * (1 + len(earlier)),
-                                  np.array([0]), length)
+    rows = [text[:t], *earlier, *(other[:t] for other in in_step)]
+    context = ngram.build_context(rows, [0] * len(rows), np.array([0]), length)
     drafts, matched = propose(context)
     match_lengths[t - start] = int(matched[0])
     if not int(matched[0]):
@@ -364,11 +379,9 @@ def main(argv):
   draft_costs = [float(d) for d in _DRAFT_COSTS.value]
   if not all(d >= 0 for d in draft_costs):
     raise UserInputError(f"--draft_costs={','.join(_DRAFT_COSTS.value)}: must be >= 0")
-  if _DRAFTER.value and _IN_STEP.value:
-    raise UserInputError("--in_step: bounds the model-free drafter only; drop --drafter")
-  if _ENGINE.value and not _IN_STEP.value:
-    raise UserInputError("--engine_strategy: needs --in_step (the engine generates a group "
-                         "in one live batch)")
+  if _ENGINE.value and _LIVE_BATCH.value < _GROUP.value:
+    raise UserInputError(f"--engine_strategy: needs --live_batch >= --group_size="
+                         f"{_GROUP.value} (the engine generates a group in one live batch)")
   from tlt_jax.rollout.strategy import SpecStrategy
   engine_strategy = (SpecStrategy.parse(_ENGINE.value, "--engine_strategy") if _ENGINE.value
                      else None)
@@ -444,6 +457,7 @@ def main(argv):
   rows = {"oracle_chain": [], "ngram_chain": [], "ngram_chain_expected": []}
   match_lengths, first_qs = [], []
   first_accepts = {rule: [] for rule in ("ngram_chain",) + _COUNT_RULES}
+  one_at_a_time = _LIVE_BATCH.value == 1
   engine = collections.Counter()       # the engine's verify steps and the tokens they emitted
 
   def sample(prompt, seed, spec=None, context=None):
@@ -475,21 +489,22 @@ def main(argv):
       positions = jnp.arange(padded.shape[1])[None]
       probs, hidden = score(params, padded, positions)
       response_probs = np.asarray(probs[0, len(prompt) - 1:len(text) - 1])  # p at each token
-      # Finished texts, and siblings read as they are written (--in_step).
-      earlier, in_step = ((epoch, texts[:i] + texts[i + 1:]) if _IN_STEP.value
-                          else (epoch + texts[:i], ()))
+      # Finished texts, and siblings read as they are written.
+      earlier, in_step = arrangement(texts, i, _LIVE_BATCH.value)
+      earlier = epoch + earlier
       for n in nodes:
         mass, seen = successor_mass(response_probs, text, len(prompt), earlier, n, in_step)
         masses[n].append(mass)
         bounds[n].append((len(mass), bounded_accept(mass, depth, _WALKS.value, rng)))
       seen_all.append(seen)
-      if _IN_STEP.value:
+      if not one_at_a_time and not _DRAFTER.value:
         continue
       accepts, matched, drafts = chain_accepts(text, len(prompt), earlier, _MAX_NGRAM.value,
-                                               depth)
+                                               depth, in_step)
       first = drafts[:, 0]
-      drafted = {"ngram_chain": first, **count_rule_drafts(text, len(prompt), earlier,
-                                                           _MAX_NGRAM.value)}
+      # The counting rules read finished texts alone: one sample at a time.
+      drafted = {"ngram_chain": first, **(count_rule_drafts(
+          text, len(prompt), earlier, _MAX_NGRAM.value) if one_at_a_time else {})}
       for rule, tokens in drafted.items():   # a first draft is accepted with p(draft)
         tokens = np.asarray(tokens)
         first_accepts[rule].append(np.where(tokens >= 0, response_probs[
@@ -513,8 +528,7 @@ def main(argv):
   report = {"model": "smollm2 (fp32)", "temperature": temperature,
             "group_size": _GROUP.value, "prompts": _PROMPTS.value, "depth": depth,
             "earlier_epoch": _EPOCH.value,
-            "siblings": "in step (each read up to the same position)" if _IN_STEP.value
-                        else "finished before (samples 0..i-1)",
+            "live_batch": _LIVE_BATCH.value,
             "positions": int(sum(len(s) for s in seen_all)),
             "last_token_seen_before_frac": float(np.mean(np.concatenate(seen_all))),
             "by_nodes": {str(n): {"level_accept_bound_mean": float(np.mean(np.concatenate(
@@ -526,9 +540,9 @@ def main(argv):
     report["engine"] = {"strategy": engine_strategy.name, "accept_len": accept,
                         "over_bound_by_nodes": {str(n): accept / report["by_nodes"][str(n)][
                             "accept_len_bound"] for n in nodes if n >= engine_strategy.topk}}
-  if not _IN_STEP.value:   # mean p of each rule's first draft (the oracle's: by_nodes 1's)
-    report["first_draft_accept"] = {rule: float(np.mean(np.concatenate(a)))
-                                    for rule, a in first_accepts.items()}
+  if first_accepts["ngram_chain"]:   # mean p of each rule's first draft (the oracle's:
+    report["first_draft_accept"] = {rule: float(np.mean(np.concatenate(a)))   # by_nodes 1's)
+                                    for rule, a in first_accepts.items() if a}
   if _DRAFTER.value:
     # The pick against the oracle chain bounds any model-free drafter's hybrid; against
     # ours (as it came out, and in expectation), the hybrid we ship.

@@ -370,6 +370,39 @@ def test_ceiling_replays_the_ngram_chain():
   assert drafts.tolist() == [[4, 5, 6], [5, 6, 9], [6, 9, 6], [-1] * 3, [-1] * 3, [8, 8, 8]]
 
 
+def test_ceiling_chain_reads_in_step_siblings_only_up_to_the_position():
+  """chain_accepts with a sibling generated beside the text: at position t the chain reads
+  the sibling's first t tokens only, so its continuation past t is not drafted yet."""
+  from benchmarks.model_free_ceiling import chain_accepts
+  prompt = [1, 2]
+  sibling = prompt + [3, 4, 5, 6]
+  text = prompt + [7, 3, 4, 5]
+  accepts, matched, drafts = chain_accepts(text, len(prompt), [], max_ngram=2, depth=2,
+                                           in_step=[sibling])
+  # t=2: "1 2" ends the sibling's prompt, but its 3 (position 2) is not written yet; the
+  # text's own "1 2" has no continuation either: nothing. t=3: "2 7", "7": none. t=4: "7 3"
+  # no, "3" -> the sibling's 4 (position 3 < 4), then 5 (position 4, not written: the chain
+  # cycles). t=5: "3 4" -> 5 (position 4 < 5), then 6 (position 5, not yet): 5 cycles back
+  # over the match, "4 5"'s continuation being unwritten.
+  assert matched.tolist() == [0, 0, 1, 2]
+  assert drafts[:2].tolist() == [[-1, -1]] * 2
+  assert drafts[2, 0] == 4 and drafts[3, 0] == 5
+  assert accepts[2:, 0].tolist() == [1, 1]
+  finished, _, _ = chain_accepts(text, len(prompt), [sibling], max_ngram=2, depth=2)
+  assert finished[0, 0] == 0 and finished[2].tolist() == [1, 1]   # 3 4 5 all read at once
+
+
+def test_ceiling_arranges_samples_by_live_batch():
+  """What sample i reads: one at a time, samples 0..i-1 finished; B at a time, the batches
+  before its own finished and its batch's others in step; B >= G, all in step."""
+  from benchmarks.model_free_ceiling import arrangement
+  texts = [[k] for k in range(6)]
+  assert arrangement(texts, 3, 1) == ([[0], [1], [2]], [])
+  assert arrangement(texts, 5, 4) == ([[0], [1], [2], [3]], [[4]])
+  assert arrangement(texts, 1, 4) == ([], [[0], [2], [3]])
+  assert arrangement(texts, 2, 8) == ([], [[0], [1], [3], [4], [5]])
+
+
 def test_ceiling_chain_levels_are_p_of_each_draft_after_the_ones_before():
   """benchmarks/model_free_ceiling.py's expected acceptance of a point-mass chain: level j
   of a step at t is accepted with the target's p of its draft after text[:t] and the
