@@ -16,6 +16,8 @@ from tlt_jax.cpu import kernels
 from tlt_jax.cpu import packed_matmul as pm
 from tlt_jax.models import transformer
 from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.drafter import (draft_head, draft_logits, drafter_forward,
+                                   init_drafter_cache, init_drafter_params, rollout_layout)
 from tlt_jax.models.kv_cache import init_cache
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -93,6 +95,55 @@ def test_rollout_layout_packs_and_matches_the_plain_layout():
   np.testing.assert_allclose(logits(packed), logits(plain), atol=1e-5)
   with pytest.raises(ValueError, match="packed CPU layout"):
     transformer.unstack_layers(packed, pack_weights=False)
+
+
+@needs_kernel
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("draft_vocab", [None, 23])
+def test_the_draft_head_is_packed_with_the_rollout_layout(tied, draft_vocab):
+  """The drafter's head over the rollout's packed params is packed too and gives the plain
+  head's logits, for tied and untied heads, with and without a draft vocabulary."""
+  config = ModelConfig(model_type="llama", vocab_size=61, hidden_size=48, intermediate_size=72,
+                       num_layers=1, num_heads=4, num_kv_heads=2, head_dim=12,
+                       tie_word_embeddings=tied, max_position_embeddings=64)
+  params = transformer.init_params(config, jax.random.key(1))
+  vocab_ids = None if draft_vocab is None else jnp.asarray(
+      np.random.default_rng(3).permutation(61)[:draft_vocab])
+  packed = draft_head(transformer.unstack_layers(params), config, vocab_ids)
+  plain = draft_head(transformer.unstack_layers(params, pack_weights=False), config, vocab_ids)
+  assert isinstance(packed, pm.PackedWeight) and not isinstance(plain, pm.PackedWeight)
+  hidden = jax.random.normal(jax.random.key(4), (3, 2, 48))
+  np.testing.assert_allclose(draft_logits(packed, hidden), draft_logits(plain, hidden),
+                             atol=1e-5)
+
+
+@needs_kernel
+def test_the_drafter_rollout_layout_packs_and_matches_the_stacked_one():
+  """`drafter.rollout_layout`: the layer split out, every matrix and fc packed; a forward
+  over a per-layer cache gives the stacked drafter's hidden states and K/V."""
+  config = ModelConfig(model_type="llama", vocab_size=61, hidden_size=48, intermediate_size=72,
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=12,
+                       tie_word_embeddings=True, max_position_embeddings=64)
+  target = transformer.init_params(config, jax.random.key(5))
+  stacked = init_drafter_params(config, jax.random.key(6))
+  packed = rollout_layout(stacked)
+  assert isinstance(packed["layers"], tuple) and isinstance(packed["fc"], pm.PackedWeight)
+  assert isinstance(packed["layers"][0]["w_down"], pm.PackedWeight)
+  assert rollout_layout(packed) is packed
+  rng = np.random.default_rng(7)
+  tokens = jnp.asarray(rng.integers(0, 61, (3, 5)))
+  hidden = jnp.asarray(rng.normal(size=(3, 5, 48)), jnp.float32)
+  positions = jnp.broadcast_to(jnp.arange(4, 9), (3, 5))
+
+  def run(drafter, per_layer):
+    cache = init_drafter_cache(config, 3, 16, per_layer=per_layer)
+    cache = cache.replace(lengths=jnp.full((3,), 4, jnp.int32))
+    out, cache = drafter_forward(drafter, target, config, tokens, hidden, positions, cache)
+    return out, cache.k, cache.v
+
+  for got, want in zip(run(packed, True), run(stacked, False)):
+    np.testing.assert_allclose(np.concatenate(jax.tree.leaves(got)),
+                               np.concatenate(jax.tree.leaves(want)), atol=1e-5)
 
 
 def _use_kernel_in_subprocess(tmp_path, **env):

@@ -77,7 +77,7 @@ def unstack_layers(params: Params, pack_weights: bool | None = None) -> Params:
     return params
   if pack_weights is None:
     pack_weights = cpu_kernels.enabled(params["embed"].dtype)
-  layers = _split_layers(params["layers"], pack_weights)
+  layers = split_layers(params["layers"], pack_weights)
   if not pack_weights:
     return {**params, "layers": layers}
   return {**params, "layers": layers, "packed_lm_head": _packed_head(params)}
@@ -87,7 +87,9 @@ PACKED_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _split_layers(layers: Params, pack_weights: bool) -> tuple[Params, ...]:
+def split_layers(layers: Params, pack_weights: bool) -> tuple[Params, ...]:
+  """Stacked layers [L, ...] as a tuple of per-layer pytrees [1, ...], their matrices packed
+  where pack_weights (`unstack_layers`)."""
   if pack_weights:
     layers = {name: pack(w) if name in PACKED_MATRICES else w for name, w in layers.items()}
   num_layers = jax.tree.leaves(layers)[0].shape[0]

@@ -31,7 +31,7 @@ from tlt_jax.compiles import CompileCounter
 from tlt_jax.errors import UserInputError
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import (DrafterParams, draft_head, drafter_logical_axes,
-                                   init_drafter_cache)
+                                   init_drafter_cache, rollout_layout)
 from tlt_jax.models.kv_cache import KVCache, init_cache
 from tlt_jax.models.transformer import Params, unstack_layers
 from tlt_jax.pallas.tree_attention import IMPLS, resolve_impl
@@ -411,7 +411,8 @@ def switch_to_speculation(params: Params, config: ModelConfig, spec: SpecConfig,
   """A fresh drafter cache, prefilled over every live row's context (`state` is donated);
   prefill_len: `drafter_prefill_len`."""
   draft_cache = init_drafter_cache(config, state.done.shape[0], plan.cache_len,
-                                   params["embed"].dtype, rules)
+                                   params["embed"].dtype, rules,
+                                   per_layer=isinstance(spec.drafter["layers"], tuple))
   with warnings.catch_warnings():
     # The kept tokens and hidden states are donated with the state and dropped by design
     # (speculation runs without them), so no output can reuse them: JAX's warning about
@@ -506,11 +507,16 @@ def place_rollout(params: Params, config: ModelConfig, spec: SpecConfig | None,
     params = jax.device_put(params, NamedSharding(rules.mesh, PartitionSpec()))
   else:
     params = place(params, param_logical_axes(config, per_layer=True), rules)
-  if spec is None or rules is None or spec.drafter is None:
+  if spec is None or spec.drafter is None:
     return params, spec
+  packed = "packed_lm_head" in params   # then the drafter is packed beside its target
+  drafter = rollout_layout(spec.drafter) if packed else spec.drafter
+  if rules is None:
+    return params, dataclasses.replace(spec, drafter=drafter)
   vocab_ids = None if spec.vocab_ids is None else place(spec.vocab_ids, (None,), rules)
-  return params, dataclasses.replace(
-      spec, drafter=place(spec.drafter, drafter_logical_axes(config), rules), vocab_ids=vocab_ids)
+  drafter = (jax.device_put(drafter, NamedSharding(rules.mesh, PartitionSpec())) if packed
+             else place(drafter, drafter_logical_axes(config), rules))
+  return params, dataclasses.replace(spec, drafter=drafter, vocab_ids=vocab_ids)
 
 
 def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int]], *,
