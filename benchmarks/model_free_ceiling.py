@@ -188,9 +188,9 @@ def chain_accepts(text, start: int, earlier: list[list[int]], max_ngram: int, de
                   in_step: list[list[int]] = ()):
   """[n, depth] 0/1: for each position t >= start of `text`, whether level j of the chain
   `ngram.propose_chain` drafts for a step starting there (from text[:t], the earlier texts
-  and the `in_step` texts' first t tokens) is accepted: its draft and the ones before it equal the text; [n] the length of
-  the match it follows (0: none), which the hybrid's pick sees before the step; and
-  [n, depth] its drafts (-1: no match)."""
+  and the `in_step` texts' first t tokens) is accepted: its draft and the ones before it
+  equal the text; [n] the length of the match it follows (0: none), which the hybrid's
+  pick sees before the step; and [n, depth] its drafts (-1: no match)."""
   import numpy as np
 
   import jax
