@@ -14,14 +14,13 @@ sampling whatever the drafts, so walking the sampled responses with level j acce
 probability m_{t+j}, up to --depth levels, draws from a process that accepts at least as
 much as any such drafter; its tokens per step bound the accept length. With --live_batch=B,
 the samples are generated B at a time instead (model_free.py's batch B): sample i reads the
-finished samples of the batches before its own, and the others of its batch up to
-position t, as they are written (in a rollout, rows that accept more run a few tokens
-ahead, so there it is an estimate, not a strict bound); with --engine_strategy (B >= G),
-the group's responses are the engine's own model-free rollout (one live batch, siblings in
-step) and its accept length is reported
-beside the bound on those very texts, a paired ratio. Prints JSON: the bound per tree
-size, the mean of m_t, and the fraction of positions whose last token occurs earlier at
-all. And how often a first draft is accepted (the mean of p at it) for our chain and for
+finished samples of the batches before its own, and the others of its batch as they stood
+when the step began, their first t tokens (in a rollout, rows that accept more run a few
+tokens ahead, so there it is an estimate, not a strict bound); with --engine_strategy
+(B >= G), the group's responses are the engine's own model-free rollout (one live batch,
+siblings in step) and its accept length is reported beside the bound on those very texts,
+a paired ratio. Prints JSON: the bound per tree size, the mean of m_t, and the fraction
+of positions whose last token occurs earlier at all. And how often a first draft is accepted (the mean of p at it) for our chain and for
 rules that choose among the text's continuations by counting them (`count_rule_drafts`):
 how much a better model-free choice could add, next to the oracle's m_t, which needs the
 target's p.
@@ -81,16 +80,15 @@ _EPOCH = flags.DEFINE_bool("epoch", False, "Model-free drafts also read an earli
                            "G more responses to each prompt, at another seed.")
 _LIVE_BATCH = flags.DEFINE_integer(
     "live_batch", 1, "The samples of a group are generated this many at a time (as "
-    "model_free.py's --batches): sample i reads the finished samples of the batches before "
-    "its own and the others of its batch up to position t, as they are written. 1: one at "
-    "a time (sample i reads samples 0..i-1); >= --group_size: the whole group in one live "
-    "batch.", lower_bound=1)
-_ENGINE = flags.DEFINE_string("engine_strategy", None, "With --live_batch >= --group_size: "
-                              "each group's "
-                              "responses come from the engine's own model-free rollout at "
-                              "this strategy (e.g. 4_16_65; lossless, so they are plain "
-                              "samples too), whose accept length is reported beside the "
-                              "bound on those very texts.")
+    "model_free.py's --batches; it must divide --group_size or be a multiple of it): sample "
+    "i reads the finished samples of the batches before its own and the others of its batch "
+    "as they are written. 1: one at a time (sample i reads samples 0..i-1); >= "
+    "--group_size: the whole group in one live batch.", lower_bound=1)
+_ENGINE = flags.DEFINE_string(
+    "engine_strategy", None, "With --live_batch >= --group_size: each group's responses come "
+    "from the engine's own model-free rollout at this strategy (e.g. 4_16_65; lossless, so "
+    "they are plain samples too), whose accept length is reported beside the bound on those "
+    "very texts.")
 _DRAFTER = flags.DEFINE_string("drafter", None, "Also bound the hybrid's gain over this "
                                "learned drafter (e.g. assets/drafter_smollm2).")
 _MAX_NGRAM = flags.DEFINE_integer("max_ngram", 4, "Our chain's longest suffix matched "
@@ -111,30 +109,33 @@ def arrangement(texts: list[list[int]], i: int, live_batch: int
                          if j != i]
 
 
-def successor_mass(probs, text, start: int, earlier: list[list[int]], nodes: int,
+def successor_mass(probs, text, start: int, earlier: list[list[int]], nodes: int, depth: int,
                    in_step: list[list[int]] = ()):
-  """m_t for each position t >= start of `text` (prompt + response): the mass `probs[t]`
-  puts on its `nodes` likeliest tokens among those that followed text[t - 1] in the
-  earlier texts, in text[:t] or in each of the `in_step` texts' first t tokens (siblings
-  generated beside it). Also whether any did."""
+  """[n, depth]: for each step start t >= start of `text` (prompt + response) and level j,
+  the mass `probs[t + j]` puts on its `nodes` likeliest tokens among those that followed
+  text[t + j - 1] in the earlier texts, in text[:t + j] (the step's own path included) or
+  in each of the `in_step` texts' first t tokens (siblings generated beside it, as they
+  stood when the step began); 0 past the text's end. Also [n] whether level 0 had any."""
   import numpy as np
-  followers = collections.defaultdict(set)
+  followers = collections.defaultdict(set)   # of text[:t], and as the loop reaches t
   for other in earlier:
     for a, b in zip(other, other[1:]):
       followers[a].add(b)
   for a, b in zip(text[:start], text[1:start]):
     followers[a].add(b)
-  mass, seen = [], []
+  mass, seen = np.zeros((len(text) - start, depth)), np.zeros(len(text) - start, bool)
   for t in range(start, len(text)):
     for other in in_step:
       if len(other) >= t:   # its pair (t - 2, t - 1) has just been written
         followers[other[t - 2]].add(other[t - 1])
-    candidates = np.fromiter(followers[text[t - 1]], np.int64)
-    top = np.sort(probs[t - start][candidates])[::-1][:nodes]
-    mass.append(float(top.sum()))
-    seen.append(len(candidates) > 0)
+    for j in range(min(depth, len(text) - t)):
+      last = text[t + j - 1]
+      candidates = followers[last] | {text[i] for i in range(t, t + j) if text[i - 1] == last}
+      top = np.sort(probs[t + j - start][np.fromiter(candidates, np.int64)])[::-1][:nodes]
+      mass[t - start, j] = top.sum()
+    seen[t - start] = len(followers[text[t - 1]]) > 0
     followers[text[t - 1]].add(text[t])
-  return np.array(mass), np.array(seen)
+  return mass, seen
 
 
 _COUNT_RULES = ("longest_mode", "bigram_mode", "backoff_votes")
@@ -274,27 +275,20 @@ def chain_level_probs(params, config, temperature: float, tokens, starts, drafts
   return np.where(drafts[:, :1] >= 0, probs, 0.0)
 
 
-def by_step_start(mass, depth: int):
-  """[n, depth]: level j of a step starting at t is accepted with mass[t + j] (0 past the
-  end)."""
-  import numpy as np
-  padded = np.concatenate([mass, np.zeros(depth)])
-  return np.stack([padded[j:j + len(mass)] for j in range(depth)], axis=1)
-
-
-def bounded_accept(mass, depth: int, walks: int, rng) -> float:
-  """Tokens per verify step of walks along one response, level j accepted w.p. m_{t+j}."""
+def bounded_accept(mass, walks: int, rng) -> float:
+  """Tokens per verify step of walks along one response, level j of a step at t accepted
+  w.p. mass[t, j] (`successor_mass`)."""
   steps = 0
+  n, depth = mass.shape
   for _ in range(walks):
     t = 0
-    while t < len(mass):
+    while t < n:
       accepted = 0
-      while accepted < depth and t + accepted < len(mass) - 1 and (
-          rng.random() < mass[t + accepted]):
+      while accepted < depth and t + accepted < n - 1 and rng.random() < mass[t, accepted]:
         accepted += 1
       t += accepted + 1
       steps += 1
-  return walks * len(mass) / steps
+  return walks * n / steps
 
 
 def step_outcomes(levels):
@@ -379,6 +373,10 @@ def main(argv):
   draft_costs = [float(d) for d in _DRAFT_COSTS.value]
   if not all(d >= 0 for d in draft_costs):
     raise UserInputError(f"--draft_costs={','.join(_DRAFT_COSTS.value)}: must be >= 0")
+  live_batch, group = _LIVE_BATCH.value, _GROUP.value
+  if group % live_batch if live_batch < group else live_batch % group:
+    raise UserInputError(f"--live_batch={live_batch}: must divide --group_size={group} or be "
+                         "a multiple of it (as model_free.py's --batches)")
   if _ENGINE.value and _LIVE_BATCH.value < _GROUP.value:
     raise UserInputError(f"--engine_strategy: needs --live_batch >= --group_size="
                          f"{_GROUP.value} (the engine generates a group in one live batch)")
@@ -493,11 +491,12 @@ def main(argv):
       earlier, in_step = arrangement(texts, i, _LIVE_BATCH.value)
       earlier = epoch + earlier
       for n in nodes:
-        mass, seen = successor_mass(response_probs, text, len(prompt), earlier, n, in_step)
+        mass, seen = successor_mass(response_probs, text, len(prompt), earlier, n, depth,
+                                    in_step)
         masses[n].append(mass)
-        bounds[n].append((len(mass), bounded_accept(mass, depth, _WALKS.value, rng)))
+        bounds[n].append((len(mass), bounded_accept(mass, _WALKS.value, rng)))
       seen_all.append(seen)
-      if not one_at_a_time and not _DRAFTER.value:
+      if not one_at_a_time and not _DRAFTER.value:   # the bound alone (our chain: slow)
         continue
       accepts, matched, drafts = chain_accepts(text, len(prompt), earlier, _MAX_NGRAM.value,
                                                depth, in_step)
@@ -519,7 +518,7 @@ def main(argv):
         column = draft_column[np.maximum(first, 0)]
         at_first = q[np.arange(len(q)), np.maximum(column, 0)]
         first_qs.append(np.where((first >= 0) & (column >= 0), at_first / q.max(-1), 0.0))
-        rows["oracle_chain"].append((levels, by_step_start(masses[1][-1], depth)))
+        rows["oracle_chain"].append((levels, masses[1][-1]))
         rows["ngram_chain"].append((levels, accepts))
         rows["ngram_chain_expected"].append((levels, chain_level_probs(
             params, config, temperature, padded, np.arange(len(prompt), len(text)), drafts)))
@@ -532,7 +531,7 @@ def main(argv):
             "positions": int(sum(len(s) for s in seen_all)),
             "last_token_seen_before_frac": float(np.mean(np.concatenate(seen_all))),
             "by_nodes": {str(n): {"level_accept_bound_mean": float(np.mean(np.concatenate(
-                                      masses[n]))),
+                                      [m[:, 0] for m in masses[n]]))),
                                   "accept_len_bound": per_token(bounds[n])} for n in nodes}}
   if engine_spec is not None:
     accept = engine["tokens"] / engine["steps"]
@@ -540,8 +539,9 @@ def main(argv):
     report["engine"] = {"strategy": engine_strategy.name, "accept_len": accept,
                         "over_bound_by_nodes": {str(n): accept / report["by_nodes"][str(n)][
                             "accept_len_bound"] for n in nodes if n >= engine_strategy.topk}}
-  if first_accepts["ngram_chain"]:   # mean p of each rule's first draft (the oracle's:
-    report["first_draft_accept"] = {rule: float(np.mean(np.concatenate(a)))   # by_nodes 1's)
+  if first_accepts["ngram_chain"]:
+    # The mean p of each rule's first draft (the oracle's: by_nodes 1's level mean).
+    report["first_draft_accept"] = {rule: float(np.mean(np.concatenate(a)))
                                     for rule, a in first_accepts.items() if a}
   if _DRAFTER.value:
     # The pick against the oracle chain bounds any model-free drafter's hybrid; against

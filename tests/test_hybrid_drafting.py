@@ -316,9 +316,11 @@ def test_hybrid_bound_dynamic_programming():
   each kind alone takes its steps; the oracle drafts with the drafter where it gains and
   with the chain where that emits as much for less (the last token has nothing to draft);
   with both uncertain, the oracle beats either alone."""
-  from benchmarks.model_free_ceiling import by_step_start, rates
+  from benchmarks.model_free_ceiling import rates
   n, depth = 21, 4          # steps at t = 0, 5, 10, 15 accept 4; the last (t = 20) none
-  levels = lambda mass: by_step_start(np.asarray(mass, float), depth)
+  # Level j of a step at t accepted w.p. mass[t + j] (0 past the end).
+  levels = lambda mass: np.stack([np.concatenate([mass, np.zeros(depth)])[j:j + n]
+                                  for j in range(depth)], axis=1)
   bound = rates([(np.ones((n, depth)), levels(np.zeros(n)))], 0.2)
   assert bound["learned_tokens_per_unit"] == pytest.approx(n / (5 * 1.2))
   assert bound["ngram_tokens_per_unit"] == pytest.approx(1.0)
@@ -443,13 +445,17 @@ def test_ceiling_reads_in_step_siblings_only_up_to_the_position():
   text = prompt + [2, 1, 3]
   probs = np.full((3, 5), 0.1)
   probs[:, 4] = 0.4                                   # the sibling's token is the likeliest
-  in_step, seen = successor_mass(probs, text, len(prompt), [], 1, [sibling])
+  in_step, seen = successor_mass(probs, text, len(prompt), [], 1, 3, [sibling])
   # t=2: "1 4" is written at position 2, with the text's own token: not yet seen. t=3:
   # nothing followed "2" before. t=4: "1" was followed by 2 (the text) and 4 (the sibling).
+  # Deeper levels read the siblings as they stood at the step's start: the step at t=2
+  # reaches position 4 by its own path (1 -> 2 counts), but the sibling's "1 4", written
+  # at position 2, only from the step at t=3 on.
   assert seen.tolist() == [False, False, True]
-  np.testing.assert_allclose(in_step, [0.0, 0.0, 0.4])
-  finished, _ = successor_mass(probs, text, len(prompt), [sibling], 1)
-  np.testing.assert_allclose(finished, [0.4, 0.0, 0.4])   # its "1 4" counts at t=2
+  np.testing.assert_allclose(in_step, [[0.0, 0.0, 0.1], [0.0, 0.4, 0.0], [0.4, 0.0, 0.0]])
+  finished, _ = successor_mass(probs, text, len(prompt), [sibling], 1, 3)
+  np.testing.assert_allclose(finished[:, 0], [0.4, 0.0, 0.4])   # its "1 4" counts at t=2
+  np.testing.assert_allclose(finished[0], [0.4, 0.0, 0.4])
 
 
 def test_count_rules_choose_by_how_often_a_continuation_followed():

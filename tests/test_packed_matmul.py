@@ -146,6 +146,33 @@ def test_the_drafter_rollout_layout_packs_and_matches_the_stacked_one():
                                np.concatenate(jax.tree.leaves(want)), atol=1e-5)
 
 
+@needs_kernel
+def test_the_rollout_packs_the_drafter_once_beside_a_packed_target():
+  """`place_rollout` packs a float32 drafter beside the packed target, reuses it while its
+  weights are the same arrays, packs new weights anew, and leaves a bfloat16 drafter (no
+  kernel for it) stacked; the draft head is packed with the target and reused alike."""
+  from tlt_jax.rollout.engine import SpecConfig, place_rollout, rollout_draft_head
+  from tlt_jax.rollout.strategy import SpecStrategy
+  config = ModelConfig(model_type="llama", vocab_size=61, hidden_size=48, intermediate_size=72,
+                       num_layers=1, num_heads=4, num_kv_heads=2, head_dim=12,
+                       tie_word_embeddings=True, max_position_embeddings=64)
+  params = transformer.init_params(config, jax.random.key(8))
+  drafter = init_drafter_params(config, jax.random.key(9))
+  place = lambda d: place_rollout(params, config, SpecConfig(
+      drafter=d, strategy=SpecStrategy.parse("2_1_3")), None)
+  placed, spec = place(drafter)
+  assert isinstance(spec.drafter["layers"], tuple)
+  assert place(drafter)[1].drafter is spec.drafter
+  updated = jax.tree.map(lambda w: w * 2, drafter)
+  assert place(updated)[1].drafter is not spec.drafter
+  half = jax.tree.map(lambda w: w.astype(jnp.bfloat16), drafter)
+  assert not isinstance(place(half)[1].drafter["layers"], tuple)
+  head = rollout_draft_head(placed, config, None)
+  assert isinstance(head, pm.PackedWeight) and rollout_draft_head(placed, config, None) is head
+  plain = transformer.unstack_layers(params, pack_weights=False)
+  assert not isinstance(rollout_draft_head(plain, config, None), pm.PackedWeight)
+
+
 def _use_kernel_in_subprocess(tmp_path, **env):
   code = ("import jax.numpy as jnp; from tlt_jax.cpu import kernels; "
           "print('use_kernel', kernels.enabled(jnp.float32), kernels.enabled(jnp.bfloat16))")

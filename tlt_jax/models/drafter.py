@@ -19,6 +19,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from tlt_jax.cpu import kernels as cpu_kernels
 from tlt_jax.cpu.packed_matmul import PackedWeight, pack
 from tlt_jax.models import transformer
 from tlt_jax.models.config import ModelConfig
@@ -26,7 +27,9 @@ from tlt_jax.models.dense import dense
 from tlt_jax.models.kv_cache import KVCache, init_cache
 from tlt_jax.sharding.rules import MeshRules, param_logical_axes
 
-DrafterParams = dict  # {"fc": [2E, E], "fc_bias": [E], "layers": one stacked layer, no attn_norm}
+# {"fc": [2E, E], "fc_bias": [E], "layers": one stacked layer, no attn_norm}; in the rollout's
+# packed CPU layout (`rollout_layout`), fc packed and the layer a tuple of one, packed.
+DrafterParams = dict
 _packed = jax.jit(pack)
 
 
@@ -55,8 +58,9 @@ def rollout_layout(drafter: DrafterParams) -> DrafterParams:
   """The drafter beside target params in the rollout's packed CPU layout
   (`transformer.unstack_layers`): its layer split out and its matrices packed as a target
   layer's are. A drafting level multiplies a few rows by each weight (SmolLM2's drafter,
-  4 rows, 2-core CPU: a one-token step 0.77 ms against 1.02 stacked)."""
-  if isinstance(drafter["layers"], tuple):
+  4 rows, 2-core CPU: a one-token step 0.77 ms against 1.02 stacked). A drafter the kernel
+  does not take (not float32) stays as it is."""
+  if isinstance(drafter["layers"], tuple) or not cpu_kernels.enabled(drafter["fc_bias"].dtype):
     return drafter
   return {**drafter, "fc": _packed(drafter["fc"]),
           "layers": transformer.split_layers(drafter["layers"], True)}

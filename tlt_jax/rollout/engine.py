@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import numpy as np
 
 from tlt_jax.compiles import CompileCounter
+from tlt_jax.cpu.packed_matmul import PackedWeight
 from tlt_jax.errors import UserInputError
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import (DrafterParams, draft_head, drafter_logical_axes,
@@ -423,26 +424,44 @@ def switch_to_speculation(params: Params, config: ModelConfig, spec: SpecConfig,
         prefill_len=prefill_len, attention_impl=attention_impl, rules=rules)
 
 
-# The last rollout's draft head, with weak references to the arrays it was made from.
-_last_head: tuple[tuple, jax.Array | None] = ((), None)
+class _LastMade:
+  """The last value made from some arrays, reused while they are the same arrays (held by
+  weak references, so a new array, say after a policy update, makes a new value)."""
+
+  def __init__(self):
+    self._refs, self._value = (), None
+
+  def get(self, sources: tuple, make):
+    # None (say no draft vocabulary) matches only None, not a reference that has died since.
+    same = lambda ref, source: (ref is None) == (source is None) and (
+        source is None or ref() is source)
+    if not (self._refs and len(self._refs) == len(sources)
+            and all(map(same, self._refs, sources))):
+      self._value = make()
+      self._refs = tuple(None if x is None else weakref.ref(x) for x in sources)
+    return self._value
+
+
+_draft_heads, _rollout_drafters = _LastMade(), _LastMade()
 
 
 def rollout_draft_head(params: Params, config: ModelConfig,
-                       vocab_ids: jax.Array | None) -> jax.Array:
-  """`draft_head`, reused while the target's head weights and the draft vocabulary are the
-  same arrays as the last rollout's: its column gather takes ~11 ms on a 2-core CPU, paid
-  again by every call of a caller that generates in many small calls."""
-  global _last_head
-  sources = (params["embed"] if config.tie_word_embeddings else params["lm_head"], vocab_ids)
-  refs, head = _last_head
-  # None (no draft vocabulary) matches only None, not a reference that has died since.
-  same = lambda ref, source: (ref is None) == (source is None) and (
-      source is None or ref() is source)
-  if refs and all(map(same, refs, sources)):
-    return head
-  head = draft_head(params, config, vocab_ids)
-  _last_head = (tuple(None if x is None else weakref.ref(x) for x in sources), head)
-  return head
+                       vocab_ids: jax.Array | None) -> jax.Array | PackedWeight:
+  """`draft_head`, reused while the target's head weights (and their packed panels) and the
+  draft vocabulary are the same arrays as the last rollout's: its column gather takes
+  ~11 ms on a 2-core CPU, paid again by every call of a caller that generates in many
+  small calls."""
+  packed = params.get("packed_lm_head")
+  sources = (params["embed"] if config.tie_word_embeddings else params["lm_head"], vocab_ids,
+             None if packed is None else packed.panels)
+  return _draft_heads.get(sources, lambda: draft_head(params, config, vocab_ids))
+
+
+def rollout_drafter(drafter: DrafterParams) -> DrafterParams:
+  """`rollout_layout`, reused while the drafter's weights are the same arrays (a spot
+  trainer's update makes new ones): packing copies every weight."""
+  return _rollout_drafters.get(tuple(jax.tree.leaves(drafter)),
+                               lambda: rollout_layout(drafter))
 
 
 def drafter_prefill_len(longest_live: int, plan: RolloutPlan, buckets: BucketSpec) -> int:
@@ -510,7 +529,7 @@ def place_rollout(params: Params, config: ModelConfig, spec: SpecConfig | None,
   if spec is None or spec.drafter is None:
     return params, spec
   packed = "packed_lm_head" in params   # then the drafter is packed beside its target
-  drafter = rollout_layout(spec.drafter) if packed else spec.drafter
+  drafter = rollout_drafter(spec.drafter) if packed else spec.drafter
   if rules is None:
     return params, dataclasses.replace(spec, drafter=drafter)
   vocab_ids = None if spec.vocab_ids is None else place(spec.vocab_ids, (None,), rules)
