@@ -20,10 +20,10 @@ tokens ahead, so there it is an estimate, not a strict bound); with --engine_str
 (B >= G), the group's responses are the engine's own model-free rollout (one live batch,
 siblings in step) and its accept length is reported beside the bound on those very texts,
 a paired ratio. Prints JSON: the bound per tree size, the mean of m_t, and the fraction
-of positions whose last token occurs earlier at all. And how often a first draft is accepted (the mean of p at it) for our chain and for
-rules that choose among the text's continuations by counting them (`count_rule_drafts`):
-how much a better model-free choice could add, next to the oracle's m_t, which needs the
-target's p.
+of positions whose last token occurs earlier at all. And how often a first draft is
+accepted (the mean of p at it) for our chain and for rules that choose among the text's
+continuations by counting them (`count_rule_drafts`, one sample at a time): how much a
+better model-free choice could add, next to the oracle's m_t, which needs the target's p.
 
 With --drafter, also the most a hybrid (tlt_jax/rollout/hybrid.py: per row and verify
 step, the learned chain or the model-free chain) could gain over the learned drafter
