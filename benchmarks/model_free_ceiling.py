@@ -377,9 +377,9 @@ def main(argv):
   if group % live_batch if live_batch < group else live_batch % group:
     raise UserInputError(f"--live_batch={live_batch}: must divide --group_size={group} or be "
                          "a multiple of it (as model_free.py's --batches)")
-  if _ENGINE.value and _LIVE_BATCH.value < _GROUP.value:
-    raise UserInputError(f"--engine_strategy: needs --live_batch >= --group_size="
-                         f"{_GROUP.value} (the engine generates a group in one live batch)")
+  if _ENGINE.value and live_batch < group:
+    raise UserInputError(f"--engine_strategy: needs --live_batch >= --group_size={group} "
+                         "(the engine generates a group in one live batch)")
   from tlt_jax.rollout.strategy import SpecStrategy
   engine_strategy = (SpecStrategy.parse(_ENGINE.value, "--engine_strategy") if _ENGINE.value
                      else None)
@@ -455,7 +455,7 @@ def main(argv):
   rows = {"oracle_chain": [], "ngram_chain": [], "ngram_chain_expected": []}
   match_lengths, first_qs = [], []
   first_accepts = {rule: [] for rule in ("ngram_chain",) + _COUNT_RULES}
-  one_at_a_time = _LIVE_BATCH.value == 1
+  one_at_a_time = live_batch == 1
   engine = collections.Counter()       # the engine's verify steps and the tokens they emitted
 
   def sample(prompt, seed, spec=None, context=None):
@@ -488,7 +488,7 @@ def main(argv):
       probs, hidden = score(params, padded, positions)
       response_probs = np.asarray(probs[0, len(prompt) - 1:len(text) - 1])  # p at each token
       # Finished texts, and siblings read as they are written.
-      earlier, in_step = arrangement(texts, i, _LIVE_BATCH.value)
+      earlier, in_step = arrangement(texts, i, live_batch)
       earlier = epoch + earlier
       for n in nodes:
         mass, seen = successor_mass(response_probs, text, len(prompt), earlier, n, depth,
