@@ -26,6 +26,12 @@ needs_kernel = pytest.mark.skipif(
                                                 f"{kernels.build_problem()}")
 
 
+def _small_config(num_layers: int = 2, tied: bool = True) -> ModelConfig:
+  return ModelConfig(model_type="llama", vocab_size=61, hidden_size=48, intermediate_size=72,
+                     num_layers=num_layers, num_heads=4, num_kv_heads=2, head_dim=12,
+                     tie_word_embeddings=tied, max_position_embeddings=64)
+
+
 @pytest.mark.parametrize("shape", [(7, 25), (2, 3, 48, 50), (5, 24)])
 def test_pack_round_trips(shape):
   w = jnp.asarray(np.random.default_rng(0).standard_normal(shape, dtype=np.float32))
@@ -76,9 +82,7 @@ def test_weights_sharing_an_input_give_the_bits_of_one_call_each(rows):
 
 @needs_kernel
 def test_rollout_layout_packs_and_matches_the_plain_layout():
-  config = ModelConfig(model_type="llama", vocab_size=61, hidden_size=48, intermediate_size=72,
-                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=12,
-                       tie_word_embeddings=True, max_position_embeddings=64)
+  config = _small_config()
   params = transformer.init_params(config, jax.random.key(0))
   packed = transformer.unstack_layers(params)          # auto: packs on this CPU
   plain = transformer.unstack_layers(params, pack_weights=False)
@@ -103,9 +107,7 @@ def test_rollout_layout_packs_and_matches_the_plain_layout():
 def test_the_draft_head_is_packed_with_the_rollout_layout(tied, draft_vocab):
   """The drafter's head over the rollout's packed params is packed too and gives the plain
   head's logits, for tied and untied heads, with and without a draft vocabulary."""
-  config = ModelConfig(model_type="llama", vocab_size=61, hidden_size=48, intermediate_size=72,
-                       num_layers=1, num_heads=4, num_kv_heads=2, head_dim=12,
-                       tie_word_embeddings=tied, max_position_embeddings=64)
+  config = _small_config(num_layers=1, tied=tied)
   params = transformer.init_params(config, jax.random.key(1))
   vocab_ids = None if draft_vocab is None else jnp.asarray(
       np.random.default_rng(3).permutation(61)[:draft_vocab])
@@ -121,9 +123,7 @@ def test_the_draft_head_is_packed_with_the_rollout_layout(tied, draft_vocab):
 def test_the_drafter_rollout_layout_packs_and_matches_the_stacked_one():
   """`drafter.rollout_layout`: the layer split out, every matrix and fc packed; a forward
   over a per-layer cache gives the stacked drafter's hidden states and K/V."""
-  config = ModelConfig(model_type="llama", vocab_size=61, hidden_size=48, intermediate_size=72,
-                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=12,
-                       tie_word_embeddings=True, max_position_embeddings=64)
+  config = _small_config()
   target = transformer.init_params(config, jax.random.key(5))
   stacked = init_drafter_params(config, jax.random.key(6))
   packed = rollout_layout(stacked)
@@ -153,9 +153,7 @@ def test_the_rollout_packs_the_drafter_once_beside_a_packed_target():
   kernel for it) stacked; the draft head is packed with the target and reused alike."""
   from tlt_jax.rollout.engine import SpecConfig, place_rollout, rollout_draft_head
   from tlt_jax.rollout.strategy import SpecStrategy
-  config = ModelConfig(model_type="llama", vocab_size=61, hidden_size=48, intermediate_size=72,
-                       num_layers=1, num_heads=4, num_kv_heads=2, head_dim=12,
-                       tie_word_embeddings=True, max_position_embeddings=64)
+  config = _small_config(num_layers=1)
   params = transformer.init_params(config, jax.random.key(8))
   drafter = init_drafter_params(config, jax.random.key(9))
   place = lambda d: place_rollout(params, config, SpecConfig(
