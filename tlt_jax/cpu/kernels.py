@@ -1,5 +1,6 @@
-"""The C++ kernels for x86 CPUs (AVX2, FMA), called through XLA's FFI: every `*.cc` here
-is compiled with g++ on first use into one shared library, cached per source and jaxlib.
+"""The C++ kernels for x86 CPUs (AVX2, FMA; packed_matmul.cc also has an AVX-512 path it
+takes where the CPU has one), called through XLA's FFI: every `*.cc` here is compiled with
+g++ on first use into one shared library, cached per source and jaxlib.
 Each kernel sits beside its jnp reference (packed_matmul.py, attention.py,
 self_attention.py, token_logprobs.py).
 
@@ -57,7 +58,7 @@ def _warn_once(problem: str) -> None:
 @functools.cache
 def build_problem() -> str | None:
   """None once the library is built and loaded, else why it cannot be."""
-  flags = _cpu_flags()
+  flags = cpu_flags()
   if not {"avx2", "fma"} <= flags:
     return "the CPU lacks AVX2 or FMA (or /proc/cpuinfo is unreadable)"
   try:
@@ -69,7 +70,7 @@ def build_problem() -> str | None:
   return None
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
   try:
     with open("/proc/cpuinfo") as f:
       for line in f:
