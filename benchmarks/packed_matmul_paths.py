@@ -72,9 +72,9 @@ def time_side(rows: list[int]) -> dict[str, float]:
 
 def main(argv):
   del argv
+  if not all(r.isdigit() and int(r) >= 1 for r in _ROWS.value):
+    raise UserInputError(f"--rows={','.join(_ROWS.value)}: each must be an integer >= 1")
   rows = [int(r) for r in _ROWS.value]
-  if not all(1 <= r for r in rows):
-    raise UserInputError(f"--rows={','.join(_ROWS.value)}: each must be >= 1")
   if _SIDE.value is not None:
     print(json.dumps(time_side(rows)))
     return
