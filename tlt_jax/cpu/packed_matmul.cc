@@ -103,8 +103,9 @@ __attribute__((target("avx512f,avx512vl"))) void panel_rows_512(
 // next: the panel this thread multiplies after this one (nullptr: none). A pass after the
 // first reads this panel from cache and leaves the memory bus idle, so it prefetches a
 // line of the next panel every k step (two passes cover it). With both prefetches, all of
-// SmolLM2's layer matmuls from memory on 2 cores ran 1.26-1.36x faster than the AVX2 path
-// at 4 to 80 rows (decode to a batch-16 verify), 1.15x at one row.
+// SmolLM2's weight matmuls from memory on 2 cores ran 1.13x faster than the AVX2 path at 4
+// rows and 1.29-1.39x at 8 to 80 (a batch-16 verify), as fast at one row
+// (benchmarks/packed_matmul_paths.py).
 __attribute__((target("avx512f,avx512vl"))) void panel_512(
     const float* x, const float* block, float* y, int64_t m, int64_t k, int64_t n,
     int64_t n0, int64_t width, const float* next) {
