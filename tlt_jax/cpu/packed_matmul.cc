@@ -142,10 +142,11 @@ bool UseAvx512() {
 }
 
 void panel(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_t n,
-           int64_t p, const float* next) {
+           int64_t p, bool next) {
   const float* block = w + p * k * kPanel;
   const int64_t n0 = p * kPanel, width = std::min(kPanel, n - n0);
-  if (UseAvx512()) return panel_512(x, block, y, m, k, n, n0, width, next);
+  if (UseAvx512())
+    return panel_512(x, block, y, m, k, n, n0, width, next ? block + k * kPanel : nullptr);
   int64_t r = 0;
   for (; r + kRows <= m; r += kRows) panel_rows<kRows>(x + r * k, block, y + r * n, k, n, n0, width);
   switch (m - r) {
@@ -189,9 +190,8 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Rema
     int64_t i = 0;
     for (int64_t g = begin; g < end; ++g) {
       while (g >= first[i + 1]) ++i;
-      const bool more = g + 1 < std::min(end, first[i + 1]);
-      panel(xs, w[i], y[i], m, k, n[i], g - first[i],
-            more ? w[i] + (g + 1 - first[i]) * k * kPanel : nullptr);
+      // next: whether this thread's next panel is the following one of the same weight.
+      panel(xs, w[i], y[i], m, k, n[i], g - first[i], g + 1 < std::min(end, first[i + 1]));
     }
   });
   return ffi::Error::Success();
