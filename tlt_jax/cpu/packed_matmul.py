@@ -5,7 +5,9 @@ XLA's FFI, beside its jnp reference (`reference_matmul`).
 Decode and SD verification multiply a few rows (the live batch, times the draft tokens)
 by every weight. XLA's CPU dot runs those at 2-3x below the rate at which a lone row
 streams the weights (SmolLM2's layer shapes, 4-16 rows, 2 cores); the panels stream
-contiguously and serve up to four rows (eight on the AVX-512 path) from registers at once.
+contiguously and serve up to four rows (eight on the AVX-512 path) from registers at once;
+more rows take each panel a block of k at a time, every pass over the block from L1 while
+the next streams in.
 Only the rollout's layout packs (`transformer.unstack_layers`); training and checkpoints
 keep plain [K, N] weights.
 
