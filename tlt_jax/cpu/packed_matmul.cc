@@ -134,7 +134,7 @@ void RunPass(int64_t rows, const Pass& p) {
 // A lone pass prefetches its panel this many floats (4 KB) ahead: with the hardware's
 // prefetch alone, the FMAs waited on memory (SmolLM2's layers from memory, 2 cores: at 8
 // rows the AVX-512 path ran 1.02x the AVX2 path without it, 1.31x with it, 3-12 KB ahead
-// alike; the AVX2 path at 4 rows 1.23x faster with it).
+// alike; the AVX2 path at 4 rows 1.14x faster with it).
 constexpr int64_t kAhead = 1024;
 // Above one pass's rows, the panel is taken kBlock rows of k at a time (6 KB, L1-resident),
 // every pass over a block before the next, the passes together prefetching the block
@@ -145,7 +145,9 @@ constexpr int64_t kBlock = 64, kBlocksAhead = 2, kGroupRows = 64;
 // pass streams the panel. Above that, a pass per kRows rows over the whole panel would read
 // it from memory once and then from cache while the memory bus idles (at 16-40 rows the
 // weights' time and the FMAs' added up); taken a block at a time, the FMAs of all passes
-// overlap the stream. The sums between blocks stay in a scratch panel, not in y, whose
+// overlap the stream (SmolLM2's weight matmuls from memory, 2 cores: 1.12-1.20x at 12-40
+// rows on the AVX-512 path, 1.31-1.43x at 8-40 on AVX2;
+// benchmarks/results/packed_matmul_k_blocks_cpu.json). The sums between blocks stay in a scratch panel, not in y, whose
 // boundary lines another thread's panels share; a float stored and reloaded is the same
 // chain, so the bits do not depend on the blocking.
 template <class Path>
