@@ -124,7 +124,7 @@ def test_point_mass_then_drawn_sibling_emits_p():
   draft_probs = jnp.broadcast_to(jnp.stack([q, jnp.zeros(vocab), q]), (n, 3, vocab))
   point_mass = jnp.broadcast_to(jnp.array([False, True, False]), (n, 3))
   num_accepted, path, emitted, _, _ = recursive_rejection(
-      k_walk, jnp.broadcast_to(p, (n, 3, vocab)), draft_probs, tokens,
+      k_walk, jnp.broadcast_to(jnp.log(p), (n, 3, vocab)), draft_probs, tokens,
       jnp.zeros((n, 3), jnp.int32), 1, 2, point_mass)
   path = np.asarray(path)[:, 1]
   assert 0.1 < np.mean(path == 1) < 0.9 and 0.05 < np.mean(path == 2) < 0.9

@@ -26,9 +26,10 @@ MODEL_FREE = SpecConfig(ngram_config=NgramConfig(max_ngram=3), strategy=SpecStra
                         threshold=8, patience=2)
 
 
-def _forward_logprobs(params, config, prompts, outputs):
-  """Raw (T=1) log-probs of each output after its prompt, from one full forward pass over
-  the right-padded sequences (padding comes after every scored token)."""
+def _forward_logprobs(params, config, prompts, outputs, temperature=1.0):
+  """Log-probs (of the logits over `temperature`) of each output after its prompt, from one
+  full forward pass over the right-padded sequences (padding comes after every scored
+  token)."""
   sequences = [p + o for p, o in zip(prompts, outputs)]
   tokens = np.zeros((len(sequences), max(map(len, sequences))), np.int32)
   for row, sequence in enumerate(sequences):
@@ -36,7 +37,8 @@ def _forward_logprobs(params, config, prompts, outputs):
   positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
   hidden = transformer.forward_packed(params, config, jnp.asarray(tokens), positions,
                                       jnp.zeros_like(tokens))
-  logprobs = np.asarray(jax.nn.log_softmax(transformer.lm_logits(params, config, hidden), -1))
+  logits = transformer.lm_logits(params, config, hidden) / temperature
+  logprobs = np.asarray(jax.nn.log_softmax(logits, -1))
   return [logprobs[row, np.arange(len(p) - 1, len(p) + len(o) - 1), o]
           for row, (p, o) in enumerate(zip(prompts, outputs))]
 
@@ -246,7 +248,7 @@ def test_point_mass_acceptance_emits_p(proposals):
   parents = jnp.array([0] + [0] * proposals + list(range(1, proposals + 1)))
   target = jnp.stack([p] + [p_child] * proposals + [p] * proposals)
   num_accepted, _, emitted, tries, accepts = recursive_rejection(
-      k_walk, jnp.broadcast_to(target, (n,) + target.shape), None, tokens,
+      k_walk, jnp.broadcast_to(jnp.log(target), (n,) + target.shape), None, tokens,
       jnp.broadcast_to(parents, tokens.shape), 2, proposals)
   num_accepted, emitted = np.asarray(num_accepted), np.asarray(emitted)
   # Drafts were both accepted and rejected, each tried in order until one passed.

@@ -255,6 +255,47 @@ def _draw_without_replacement(key, q, n, k):
   return jax.lax.top_k(jnp.log(q) + gumbel, k)[1]
 
 
+@pytest.mark.parametrize("drafts", ["point_mass", "drawn", "draft_vocab", "mixed", "cut"])
+def test_a_chain_walks_as_the_tree_walk_does(drafts):
+  """Chains (one child a node) take their own walk, which reads p and q only at the drafted
+  tokens and where the walk ends: for every kind of draft it must give the tree walk's
+  results bit for bit (same draws), with walks ending at every depth."""
+  from tlt_jax.rollout import acceptance
+  vocab, draft_size, rows, depth = 40, 16, 3000, 3
+  keys = jax.random.split(jax.random.key(11), 6)
+  n = depth if drafts == "cut" else depth + 1   # "cut": the chain is one node short
+  logits = 2.0 * jax.random.normal(keys[0], (rows, n, vocab))
+  p = jax.nn.softmax(logits)
+  draft_vocab = (jax.random.permutation(keys[1], vocab)[:draft_size]
+                 if drafts in ("draft_vocab", "mixed") else None)
+  if drafts == "point_mass" or drafts == "cut":
+    q = q_full = None
+    drawn = jax.random.categorical(keys[2], jnp.log(p))     # the tokens p favours
+  else:
+    near = logits + 0.7 * jax.random.normal(keys[3], logits.shape)   # q close to p
+    if draft_vocab is not None:
+      near = jnp.take(near, draft_vocab, axis=-1)
+    q = jax.nn.softmax(near)
+    drawn = jax.random.categorical(keys[2], jnp.log(q))
+    if draft_vocab is not None:
+      drawn = draft_vocab[drawn]
+    q_full = (q if draft_vocab is None
+              else acceptance.on_target_vocab(q, draft_vocab, vocab))
+  tokens = jnp.concatenate([jnp.zeros((rows, 1), jnp.int32),
+                            drawn[:, :-1].astype(jnp.int32)], axis=1)
+  parents = jnp.broadcast_to(jnp.maximum(jnp.arange(n) - 1, 0), (rows, n))
+  point_mass = (jnp.broadcast_to(jax.random.bernoulli(keys[4], 0.5, (rows, 1)), (rows, n))
+                if drafts == "mixed" else None)
+  chain = acceptance.recursive_rejection(keys[5], jnp.log(p), q, tokens, parents, depth, 1,
+                                         point_mass, draft_vocab=draft_vocab)
+  tree = acceptance._tree_walk(keys[5], jnp.exp(jnp.log(p)), q_full, tokens, parents, depth, 1,
+                               point_mass)
+  for got, expected in zip(chain, tree):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+  ends = np.bincount(np.asarray(chain[0]), minlength=depth + 1)
+  assert np.all(ends[:n] > 20), ends   # walks end at every depth the chain reaches
+
+
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
 @pytest.mark.parametrize("q_kind", ["random", "one_hot", "equal_p"])
 @pytest.mark.parametrize("siblings", [1, 3])
@@ -290,7 +331,7 @@ def test_recursive_rejection_emits_p(temperature, top_p, q_kind, siblings):
     draft = jnp.stack([q] + [q_child] * k + [q] * k)
     num_nodes = 1 + 2 * k
     num_accepted, _, emitted, tries, accepts = recursive_rejection(
-        k_rule, jnp.broadcast_to(target, (n, num_nodes, vocab)),
+        k_rule, jnp.broadcast_to(jnp.log(target), (n, num_nodes, vocab)),
         jnp.broadcast_to(draft, (n, num_nodes, vocab)), tokens,
         jnp.broadcast_to(parents, (n, num_nodes)), depth=2, max_children=siblings)
     emitted, num_accepted = np.asarray(emitted), np.asarray(num_accepted)
@@ -349,6 +390,28 @@ def test_unknown_attention_impl_is_rejected():
   config, params, _ = _model(8)
   with pytest.raises(UserInputError, match="--attention_impl"):
     generate(params, config, [[1, 2]], max_new_tokens=2, attention_impl="cuda")
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0),
+                                      SamplingParams(temperature=0.7, top_p=0.9)],
+                         ids=["untruncated", "top_p"])
+@pytest.mark.parametrize("strategy", ["4_1_5", "3_2_5"])
+def test_sampled_sd_reports_the_policys_logprobs(sampling, strategy):
+  """Each token SD emits carries the policy's log-prob (the logits over the temperature,
+  untruncated) at the node it was drawn at, as a plain forward gives it: untruncated
+  sampling reads it from the distribution it drew from, top-p from the logits."""
+  from tests.test_model_free import _forward_logprobs
+  config, params, drafter = _model(97)
+  prompts = _prompts(97, (5, 9, 3, 12))
+  spec = SpecConfig(drafter=drafter, strategy=SpecStrategy.parse(strategy), threshold=8,
+                    patience=0)
+  sd = generate(params, config, prompts, max_new_tokens=24, sampling=sampling, seed=3,
+                spec=spec)
+  assert sd.stats["spec/verify_steps"] > 0 and sd.stats["spec/accept_len"] > 1
+  scored = _forward_logprobs(params, config, prompts, [o.token_ids for o in sd.outputs],
+                             sampling.temperature)
+  for output, want in zip(sd.outputs, scored):
+    np.testing.assert_allclose(output.logprobs, want, atol=1e-4)
 
 
 BANDIT_POOL = parse_strategies("2_1_3,4_1_5,3_2_5")

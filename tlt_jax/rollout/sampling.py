@@ -31,6 +31,11 @@ class SamplingParams:
   def greedy(self) -> bool:
     return self.temperature == 0
 
+  def truncates(self, vocab_size: int) -> bool:
+    """Whether top-k or top-p cut what tokens are drawn from, which then differs from the
+    policy (`policy_logprobs`) by more than the temperature."""
+    return 0 < self.top_k < vocab_size or self.top_p < 1.0
+
   @property
   def logprob_temperature(self) -> float:
     """What `policy_logprobs` divides the logits by: greedy reports raw (T=1) log-probs."""

@@ -50,7 +50,7 @@ from tlt_jax.rollout.decode import DecodeState, emit, lay_out
 from tlt_jax.rollout import hybrid as hybrid_lib
 from tlt_jax.rollout import ngram
 from tlt_jax.rollout.acceptance import recursive_rejection
-from tlt_jax.rollout.sampling import (SamplingParams, argmax, policy_logprobs,
+from tlt_jax.rollout.sampling import (SamplingParams, argmax, policy_logprob_of,
                                       processed_logprobs)
 from tlt_jax.rollout.strategy import SpecStrategy
 from tlt_jax.sharding.rules import MeshRules
@@ -89,8 +89,8 @@ class VerifyTree(NamedTuple):
   parents: jax.Array       # [B, V]: verify index of each node's parent (the root's: 0)
   mask: jax.Array          # [B, V, V]: node i attends to node j (its ancestors and itself)
   draft_probs: jax.Array | None   # [B, V, Vd]: q each node's children were drawn from, on
-                                  # the drafter's vocabulary (`_on_target_vocab` widens
-                                  # it); None: point masses (and greedy, which reads no q)
+                                  # the drafter's vocabulary; None: point masses (and
+                                  # greedy, which reads no q)
 
 
 def pending_width(strategies: Sequence[SpecStrategy]) -> int:
@@ -342,17 +342,6 @@ def _verified_draft_probs(draft_probs, sel):
   return jnp.take_along_axis(draft_probs, rows[:, :, None], axis=1)
 
 
-def _on_target_vocab(q: jax.Array, vocab_ids: jax.Array | None, vocab_size: int) -> jax.Array:
-  """q [..., Vd] on the drafter's vocabulary scattered to the target's. Done once, right
-  before acceptance: scattered before the hybrid's per-row pick of a tree (then made in a
-  conditional), a [B, V, vocab] q made its steps 7-8% slower than the learned drafter's
-  alone with every row drafting learned (SmolLM2, CPU, batch 16, T=1); scattered here, as
-  fast within noise."""
-  if vocab_ids is None:
-    return q
-  return jnp.zeros(q.shape[:-1] + (vocab_size,), q.dtype).at[..., vocab_ids].set(q)
-
-
 def _learned_tree(key, params, drafter, head, vocab_ids, config, strategy, sampling,
                   attention_impl, rules, state: SpecState, root_hidden: jax.Array
                   ) -> tuple[SpecState, VerifyTree]:
@@ -457,6 +446,21 @@ def _merged_tree(key, params, drafter, head, vocab_ids, config, strategy, sampli
   return state, tree, jnp.broadcast_to(point_mass, (b, v))
 
 
+def _emitted_logprobs(logits: jax.Array, drawn_logprobs: jax.Array | None, path: jax.Array,
+                      emitted: jax.Array, sampling: SamplingParams) -> jax.Array:
+  """[B, depth + 1]: each emitted token's log-prob under the policy (`policy_logprob_of`)
+  at the node it was drawn at (`path`). Sampling that truncates nothing draws from the
+  policy itself, so its log-probs (`drawn_logprobs`, [B, V, vocab]) are read there;
+  otherwise every node's is taken at the token drawn there, which reads the logits once and
+  copies no row of them."""
+  rows = jnp.arange(path.shape[0])[:, None]
+  if drawn_logprobs is not None and not sampling.truncates(logits.shape[-1]):
+    return drawn_logprobs[rows, path, emitted]
+  # The path repeats the node where it ended, where every repeat emitted the same token.
+  node_tokens = jnp.zeros(logits.shape[:2], jnp.int32).at[rows, path].set(emitted)
+  return jnp.take_along_axis(policy_logprob_of(logits, node_tokens, sampling), path, axis=1)
+
+
 def _count_ranks(state: SpecState, strategy: SpecStrategy, tries: jax.Array,
                  accepts: jax.Array, live: jax.Array) -> SpecState:
   """Adds one step's [B, depth, topk] try / accept counts of live rows to the statistics
@@ -544,16 +548,15 @@ def spec_step(params: Params, drafter: DrafterParams | None, head: jax.Array | N
                                         committed[:, None] + tree.depths, base.cache, tree.mask,
                                         rules, attention_impl)
   logits = lm_logits(params, config, hidden, rules)                    # [B, V, vocab]
+  drawn_logprobs = None
   if sampling.greedy:
     num_accepted, path, emitted = _accept_greedy(logits, tree.tokens, tree.parents,
                                                  tree.depths, depth)
   else:
-    p = jnp.exp(processed_logprobs(logits, sampling))
-    q = tree.draft_probs
+    drawn_logprobs = processed_logprobs(logits, sampling)
     num_accepted, path, emitted, tries, accepts = recursive_rejection(
-        accept_key, p, None if q is None else _on_target_vocab(q, vocab_ids, config.vocab_size),
-        tree.tokens, tree.parents, depth,
-        2 if merged else strategy.topk, point_mass)
+        accept_key, drawn_logprobs, tree.draft_probs, tree.tokens, tree.parents, depth,
+        2 if merged else strategy.topk, point_mass, draft_vocab=vocab_ids)
     if learned and not merged:   # the rank statistics shape learned trees: their steps count
       state = _count_ranks(state, strategy, tries, accepts, live & use_learned)
   if merged:   # the kind whose draft the path took
@@ -565,9 +568,7 @@ def spec_step(params: Params, drafter: DrafterParams | None, head: jax.Array | N
   take_path = lambda new: jnp.take_along_axis(new, path[None, :, :, None, None], axis=2)
   cache = base.cache.write_after_committed(take_path(new_k), take_path(new_v))
 
-  path_logits = jnp.take_along_axis(logits, path[:, :, None], axis=1)
-  emitted_logprobs = jnp.take_along_axis(policy_logprobs(path_logits, sampling),
-                                         emitted[:, :, None], axis=2)[..., 0]
+  emitted_logprobs = _emitted_logprobs(logits, drawn_logprobs, path, emitted, sampling)
 
   base = base.replace(key=key, cache=cache.advance(jnp.where(live, num_accepted + 1, 0)))
   generated_before = base.num_generated
