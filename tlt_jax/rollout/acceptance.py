@@ -87,8 +87,10 @@ def _chain_walk(key, target_logprobs, draft_probs, tokens, parents, depth, point
   reading p and q at the drafted tokens alone and the whole vocabulary only where the walk
   ends. The tree walk updates p and q over the whole vocabulary at every child it tries:
   SmolLM2's 49k-token p, a 4-deep chain with the drafter's 8k-token q, 2-core CPU, 0.69 ms
-  against 1.8 at 4 rows and 2.2 against 7.5 at 16; a learned step 1-2% faster at batch 4
-  and 3-5% at batch 16, a model-free one 0-3%."""
+  against 1.8 at 4 rows and 2.2 against 7.5 at 16. With SD's emitted log-probs read
+  without copying the path's logits (same commit), SmolLM2's T=1 verify steps took 2% less
+  at batch 4 and 7% (learned) / 5% (model-free) less at batch 16
+  (benchmarks/results/spec_step_chain_acceptance_ab_cpu.json)."""
   b = tokens.shape[0]
   rows = jnp.arange(b)
   uniform_key, last_key = jax.random.split(key)
