@@ -69,8 +69,8 @@ def recursive_rejection(key: jax.Array, target_logprobs: jax.Array,
                        draft_vocab)
   if draft_probs is not None and draft_vocab is not None:
     draft_probs = on_target_vocab(draft_probs, draft_vocab, target_logprobs.shape[-1])
-  return _tree_walk(key, jnp.exp(target_logprobs), draft_probs, tokens, parents, depth, max_children,
-                    point_mass)
+  return _tree_walk(key, jnp.exp(target_logprobs), draft_probs, tokens, parents, depth,
+                    max_children, point_mass)
 
 
 def on_target_vocab(q: jax.Array, draft_vocab: jax.Array, vocab_size: int) -> jax.Array:
@@ -115,7 +115,7 @@ def _chain_walk(key, target_logprobs, draft_probs, tokens, parents, depth, point
       drawn = jnp.ones((b,), bool) if point_mass is None else ~point_mass[rows, child]
       q_token = jnp.where(drawn, jnp.where(inside, q[rows, at], 0.0) / jnp.maximum(
           jnp.sum(q, axis=-1), 1e-30), 1.0)
-    trying = walking & (parents[rows, child] == node) & (child > 0) & (q_token > 0)
+    trying = walking & (child > 0) & (q_token > 0)   # child 0: the node has none
     accept = trying & (uniforms[level] * q_token < p_token)
     rejected = rejected | (trying & ~accept)
     node = jnp.where(accept, child, node)
