@@ -196,7 +196,7 @@ def _child(cache_length: int) -> None:
   """Measures one cache length; prints its JSON on the last stdout line."""
   import jax
   import jax.numpy as jnp
-  from tlt_jax.rollout.engine import SpecConfig, place_rollout
+  from tlt_jax.rollout.engine import SpecConfig, place_spec
   from tlt_jax.rollout.strategy import SpecStrategy
   params, config, drafter, vocab_ids = _load(jnp)
   spec = SpecConfig(drafter=drafter, vocab_ids=vocab_ids, threshold=1,
@@ -207,7 +207,7 @@ def _child(cache_length: int) -> None:
   # Taken before the prefill comparison, whose rows of ~L tokens are not the rollout's.
   result["memory"] = _memory(jax, baseline)
   if _PREFILL_ROWS.value:
-    placed, placed_spec = place_rollout(params, config, spec, None)
+    placed, placed_spec = place_spec(params, config, spec, None)
     result["switch_prefill"] = _measure_switch_prefill(placed, config, placed_spec, cache_length)
     result["switch_prefill"]["memory"] = _memory(jax, baseline)
   print(json.dumps(result), flush=True)

@@ -194,20 +194,18 @@ def test_the_rollout_packs_the_drafter_once_beside_a_packed_target():
   """`place_rollout` packs a float32 drafter beside the packed target, reuses it while its
   weights are the same arrays, packs new weights anew, and leaves a bfloat16 drafter (no
   kernel for it) stacked; the draft head is packed with the target and reused alike."""
-  from tlt_jax.rollout.engine import SpecConfig, place_rollout, rollout_draft_head
-  from tlt_jax.rollout.strategy import SpecStrategy
+  from tlt_jax.rollout.weights import DraftWeights, place_rollout, rollout_draft_head
   config = _small_config(num_layers=1)
   params = transformer.init_params(config, jax.random.key(8))
   drafter = init_drafter_params(config, jax.random.key(9))
-  place = lambda d: place_rollout(params, config, SpecConfig(
-      drafter=d, strategy=SpecStrategy.parse("2_1_3")), None)
-  placed, spec = place(drafter)
-  assert isinstance(spec.drafter["layers"], tuple)
-  assert place(drafter)[1].drafter is spec.drafter
+  place = lambda d: place_rollout(params, config, DraftWeights(d), None)
+  placed, weights = place(drafter)
+  assert isinstance(weights.params["layers"], tuple)
+  assert place(drafter)[1].params is weights.params
   updated = jax.tree.map(lambda w: w * 2, drafter)
-  assert place(updated)[1].drafter is not spec.drafter
+  assert place(updated)[1].params is not weights.params
   half = jax.tree.map(lambda w: w.astype(jnp.bfloat16), drafter)
-  assert not isinstance(place(half)[1].drafter["layers"], tuple)
+  assert not isinstance(place(half)[1].params["layers"], tuple)
   head = rollout_draft_head(placed, config, None)
   assert isinstance(head, pm.PackedWeight) and rollout_draft_head(placed, config, None) is head
   plain = transformer.unstack_layers(params, pack_weights=False)

@@ -21,7 +21,8 @@ def _sharded_vs_single() -> dict:
   from tlt_jax.models.config import ModelConfig
   from tlt_jax.models.kv_cache import init_cache
   from tlt_jax.rollout import engine
-  from tlt_jax.rollout.engine import SpecConfig, generate, place_rollout
+  from tlt_jax.rollout.engine import SpecConfig, generate
+  from tlt_jax.rollout.weights import DraftWeights, place_rollout
   from tlt_jax.rollout.ngram import NgramConfig
   from tlt_jax.rollout.sampling import SamplingParams
   from tlt_jax.rollout.strategy import SpecStrategy
@@ -78,14 +79,14 @@ def _sharded_vs_single() -> dict:
   out.update(model_free_tokens_equal=single[1] == sharded[1],
              model_free_spec_chunks=sharded[0].stats["decode_chunks/spec"],
              model_free_compiles=(single[3], sharded[3]))
-  placed, placed_spec = place_rollout(params, config, spec, rules)
+  placed, placed_drafter = place_rollout(params, config, DraftWeights(spec.drafter), rules)
   replica = {d.id for d in rules.mesh.devices.flat}
   out["wq_spec"] = str(placed["layers"][0]["wq"].sharding.spec)
-  out["drafter_wk_spec"] = str(placed_spec.drafter["layers"]["wk"].sharding.spec)
+  out["drafter_wk_spec"] = str(placed_drafter.params["layers"]["wk"].sharding.spec)
   out["cache_spec"] = str(init_cache(config, 4, 128, rules=rules, per_layer=True).k[0]
                           .sharding.spec) == str(PartitionSpec(None, "fsdp", "tp"))
   out["on_replica"] = all({d.id for d in x.devices()} == replica
-                          for x in jax.tree.leaves((placed, placed_spec.drafter)))
+                          for x in jax.tree.leaves((placed, placed_drafter.params)))
   return out
 
 

@@ -634,7 +634,7 @@ def test_long_adaptive_trees_keep_plain_sampling():
 def test_rollout_draft_head_is_reused_only_for_the_same_arrays():
   """Rollouts that share the target's head weights and draft vocabulary share one draft
   head; new weights (a policy update) or another vocabulary make a new one."""
-  from tlt_jax.rollout.engine import rollout_draft_head
+  from tlt_jax.rollout.weights import rollout_draft_head
   config, params, _ = _model(97, seed=2)
   head = rollout_draft_head(params, config, None)
   assert rollout_draft_head(params, config, None) is head

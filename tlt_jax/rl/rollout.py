@@ -14,7 +14,8 @@ import numpy as np
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.transformer import Params
 from tlt_jax.rollout.buckets import BucketSpec
-from tlt_jax.rollout.engine import SpecConfig, generate, place_rollout
+from tlt_jax.rollout.engine import SpecConfig, generate
+from tlt_jax.rollout.weights import place_rollout
 from tlt_jax.rollout.precompile import precompile
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.sharding.rules import MeshRules
@@ -34,7 +35,7 @@ class RolloutSettings:
   # The cache of every rollout fits rows this long (max prompt + max new tokens): one cache
   # length, so one set of programs, whatever a step's longest prompt.
   min_row_tokens: int = 0
-  # The rollout replica's mesh and sharding rules (`engine.place_rollout`); None: one device.
+  # The rollout replica's mesh and sharding rules (`weights.place_rollout`); None: one device.
   rules: MeshRules | None = None
 
 
@@ -75,7 +76,7 @@ def concat_rollouts(parts: Sequence[GroupRollouts]) -> GroupRollouts:
 def lay_out_for_rollout(params: Params, config: ModelConfig, settings: RolloutSettings
                         ) -> Params:
   """The policy in the engine's layout: per layer, on the rollout's mesh
-  (`engine.place_rollout`). Every step gives the same shapes and shardings, so the
+  (`weights.place_rollout`). Every step gives the same shapes and shardings, so the
   rollout's compiled programs serve each new policy as they are."""
   return place_rollout(params, config, None, settings.rules)[0]
 

@@ -19,29 +19,26 @@ import functools
 import math
 import time
 import warnings
-import weakref
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
 import numpy as np
 
 from tlt_jax.compiles import CompileCounter
-from tlt_jax.cpu.packed_matmul import PackedWeight
 from tlt_jax.errors import UserInputError
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.drafter import (DrafterParams, draft_head, drafter_logical_axes,
-                                   init_drafter_cache, rollout_layout)
+from tlt_jax.models.drafter import DrafterParams, init_drafter_cache
 from tlt_jax.models.kv_cache import KVCache, init_cache
-from tlt_jax.models.transformer import Params, unstack_layers
+from tlt_jax.models.transformer import Params
 from tlt_jax.pallas.tree_attention import IMPLS, resolve_impl
 from tlt_jax.rollout import decode, hybrid as hybrid_lib, ngram, speculative
 from tlt_jax.rollout.bandit import StrategyBandit
 from tlt_jax.rollout.buckets import BucketSpec
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.strategy import DRAFTER_KINDS, SpecStrategy
-from tlt_jax.sharding.rules import MeshRules, param_logical_axes, place, spans_devices
+from tlt_jax.rollout.weights import DraftWeights, place_rollout, rollout_draft_head
+from tlt_jax.sharding.rules import MeshRules, spans_devices
 
 
 MAX_SD_THRESHOLD = 256   # the largest batch bucket: SD above it never pays
@@ -424,46 +421,6 @@ def switch_to_speculation(params: Params, config: ModelConfig, spec: SpecConfig,
         prefill_len=prefill_len, attention_impl=attention_impl, rules=rules)
 
 
-class _LastMade:
-  """The last value made from some arrays, reused while they are the same arrays (held by
-  weak references, so a new array, say after a policy update, makes a new value)."""
-
-  def __init__(self):
-    self._refs, self._value = (), None
-
-  def get(self, sources: tuple, make):
-    # None (say no draft vocabulary) matches only None, not a reference that has died since.
-    same = lambda ref, source: (ref is None) == (source is None) and (
-        source is None or ref() is source)
-    if not (self._refs and len(self._refs) == len(sources)
-            and all(map(same, self._refs, sources))):
-      self._value = make()
-      self._refs = tuple(None if x is None else weakref.ref(x) for x in sources)
-    return self._value
-
-
-_draft_heads, _rollout_drafters = _LastMade(), _LastMade()
-
-
-def rollout_draft_head(params: Params, config: ModelConfig,
-                       vocab_ids: jax.Array | None) -> jax.Array | PackedWeight:
-  """`draft_head`, reused while the target's head weights (and their packed panels) and the
-  draft vocabulary are the same arrays as the last rollout's: its column gather takes
-  ~11 ms on a 2-core CPU, paid again by every call of a caller that generates in many
-  small calls."""
-  packed = params.get("packed_lm_head")
-  sources = (params["embed"] if config.tie_word_embeddings else params["lm_head"], vocab_ids,
-             None if packed is None else packed.panels)
-  return _draft_heads.get(sources, lambda: draft_head(params, config, vocab_ids))
-
-
-def rollout_drafter(drafter: DrafterParams) -> DrafterParams:
-  """`rollout_layout`, reused while the drafter's weights are the same arrays (a spot
-  trainer's update makes new ones): packing copies every weight."""
-  return _rollout_drafters.get(tuple(jax.tree.leaves(drafter)),
-                               lambda: rollout_layout(drafter))
-
-
 def drafter_prefill_len(longest_live: int, plan: RolloutPlan, buckets: BucketSpec) -> int:
   """Slots the drafter prefill at the switch runs: the longest live row's context, bucketed
   as attention windows are (a page times a power of two, capped at the cache)."""
@@ -512,30 +469,12 @@ def draft_pool(texts: Sequence[Sequence[int]], groups: Sequence[int],
                              row_ids, length)
 
 
-def place_rollout(params: Params, config: ModelConfig, spec: SpecConfig | None,
-                  rules: MeshRules | None) -> tuple[Params, SpecConfig | None]:
-  """The params in the rollout's layout (`unstack_layers`), and the drafter, laid out on the
-  replica's mesh by the rules (tensor-parallel over heads, batch over the data axis); the
-  same rules place every cache and constrain every activation of the rollout's programs."""
-  # The CPU kernels' packed weights are one device's buffers: they run without a mesh or on
-  # a one-device one (the CPU trainer's), where every array is whole; a replica split over
-  # devices keeps plain weights.
-  one_device = not spans_devices(rules)
-  params = unstack_layers(params, pack_weights=None if one_device else False)
-  if one_device and rules is not None:
-    params = jax.device_put(params, NamedSharding(rules.mesh, PartitionSpec()))
-  else:
-    params = place(params, param_logical_axes(config, per_layer=True), rules)
-  if spec is None or spec.drafter is None:
+def place_spec(params, config, spec, rules):
+  drafter = None if spec is None or spec.drafter is None else DraftWeights(spec.drafter, spec.vocab_ids)
+  params, drafter = place_rollout(params, config, drafter, rules)
+  if drafter is None:
     return params, spec
-  packed = "packed_lm_head" in params   # then the drafter is packed beside its target
-  drafter = rollout_drafter(spec.drafter) if packed else spec.drafter
-  if rules is None:
-    return params, dataclasses.replace(spec, drafter=drafter)
-  vocab_ids = None if spec.vocab_ids is None else place(spec.vocab_ids, (None,), rules)
-  drafter = (jax.device_put(drafter, NamedSharding(rules.mesh, PartitionSpec())) if packed
-             else place(drafter, drafter_logical_axes(config), rules))
-  return params, dataclasses.replace(spec, drafter=drafter, vocab_ids=vocab_ids)
+  return params, dataclasses.replace(spec, drafter=drafter.params, vocab_ids=drafter.vocab_ids)
 
 
 def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int]], *,
@@ -561,7 +500,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
   check_attention_impl(attention_impl)
   plan = plan_rollout(prompts, max_new_tokens, config, buckets, spec, eos_ids, min_row_tokens)
   groups, extras = draft_groups(prompts, group_ids, draft_context, spec, config.vocab_size)
-  params, spec = place_rollout(params, config, spec, rules)
+  params, spec = place_spec(params, config, spec, rules)
   batch, prompt_len, cache_len = plan.batch, plan.prompt_len, plan.cache_len
   tokens, lengths, live, order = sorted_rows(prompts, batch, prompt_len)
   row_caps = np.ones((batch,), np.int32)

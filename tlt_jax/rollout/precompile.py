@@ -23,7 +23,7 @@ from tlt_jax.rollout import decode, speculative
 from tlt_jax.rollout.buckets import BucketSpec
 from tlt_jax.rollout.engine import (SpecConfig, check_attention_impl, chunk_reach,
                                     compiled_programs, draft_groups, draft_pool,
-                                    place_rollout, plan_rollout, switch_to_speculation,
+                                    place_spec, plan_rollout, switch_to_speculation,
                                     take_rows, windowed_attention)
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.sharding.rules import MeshRules
@@ -47,7 +47,7 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
   plan = plan_rollout(prompts, max_new_tokens, config, buckets, spec, eos_ids, min_row_tokens)
   # Model-free programs are also keyed by the draft context's sizes, which these decide.
   groups, extras = draft_groups(prompts, group_ids, draft_context, spec, config.vocab_size)
-  params, spec = place_rollout(params, config, spec, rules)
+  params, spec = place_spec(params, config, spec, rules)
   learned = spec is not None and spec.drafter is not None
   static = dict(config=config, sampling=sampling, eos_ids=plan.eos_ids,
                 max_new_tokens=plan.max_new_tokens, attention_impl=attention_impl)

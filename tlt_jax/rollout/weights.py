@@ -1,0 +1,95 @@
+"""The rollout's weights: the policy and the learned drafter laid out for the rollout.
+
+The params a trainer or checkpoint holds are one structure on every machine; the rollout
+runs them in its own layout (`unstack_layers`: per layer, and on CPU packed for the matmul
+kernel), placed on the replica's mesh by the sharding rules. The learned drafter reaches
+the rollout as `DraftWeights`, a pytree argument: a new drafter (say after a spot
+trainer's update) is a new argument, never a new config or a recompile.
+"""
+from __future__ import annotations
+
+import weakref
+
+import flax.struct
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from tlt_jax.cpu.packed_matmul import PackedWeight
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.drafter import (DrafterParams, draft_head, drafter_logical_axes,
+                                   rollout_layout)
+from tlt_jax.models.transformer import Params, unstack_layers
+from tlt_jax.sharding.rules import MeshRules, param_logical_axes, place, spans_devices
+
+
+@flax.struct.dataclass
+class DraftWeights:
+  """A learned drafter's weights and its reduced draft vocabulary (sorted target ids;
+  None: the target's whole vocabulary)."""
+  params: DrafterParams
+  vocab_ids: jax.Array | None = None
+
+
+class _LastMade:
+  """The last value made from some arrays, reused while they are the same arrays (held by
+  weak references, so a new array, say after a policy update, makes a new value)."""
+
+  def __init__(self):
+    self._refs, self._value = (), None
+
+  def get(self, sources: tuple, make):
+    # None (say no draft vocabulary) matches only None, not a reference that has died since.
+    same = lambda ref, source: (ref is None) == (source is None) and (
+        source is None or ref() is source)
+    if not (self._refs and len(self._refs) == len(sources)
+            and all(map(same, self._refs, sources))):
+      self._value = make()
+      self._refs = tuple(None if x is None else weakref.ref(x) for x in sources)
+    return self._value
+
+
+_draft_heads, _rollout_drafters = _LastMade(), _LastMade()
+
+
+def rollout_draft_head(params: Params, config: ModelConfig,
+                       vocab_ids: jax.Array | None) -> jax.Array | PackedWeight:
+  """`draft_head`, reused while the target's head weights (and their packed panels) and the
+  draft vocabulary are the same arrays as the last rollout's: its column gather is paid
+  again by every call of a caller that generates in many small calls otherwise."""
+  packed = params.get("packed_lm_head")
+  sources = (params["embed"] if config.tie_word_embeddings else params["lm_head"], vocab_ids,
+             None if packed is None else packed.panels)
+  return _draft_heads.get(sources, lambda: draft_head(params, config, vocab_ids))
+
+
+def rollout_drafter(drafter: DrafterParams) -> DrafterParams:
+  """`rollout_layout`, reused while the drafter's weights are the same arrays (a spot
+  trainer's update makes new ones): packing copies every weight."""
+  return _rollout_drafters.get(tuple(jax.tree.leaves(drafter)),
+                               lambda: rollout_layout(drafter))
+
+
+def place_rollout(params: Params, config: ModelConfig, drafter: DraftWeights | None,
+                  rules: MeshRules | None) -> tuple[Params, DraftWeights | None]:
+  """The params in the rollout's layout (`unstack_layers`), and the drafter, laid out on the
+  replica's mesh by the rules (tensor-parallel over heads, batch over the data axis); the
+  same rules place every cache and constrain every activation of the rollout's programs."""
+  # The CPU kernels' packed weights are one device's buffers: they run without a mesh or on
+  # a one-device one (the CPU trainer's), where every array is whole; a replica split over
+  # devices keeps plain weights.
+  one_device = not spans_devices(rules)
+  params = unstack_layers(params, pack_weights=None if one_device else False)
+  if one_device and rules is not None:
+    params = jax.device_put(params, NamedSharding(rules.mesh, PartitionSpec()))
+  else:
+    params = place(params, param_logical_axes(config, per_layer=True), rules)
+  if drafter is None:
+    return params, None
+  packed = "packed_lm_head" in params   # then the drafter is packed beside its target
+  layer = rollout_drafter(drafter.params) if packed else drafter.params
+  if rules is None:
+    return params, drafter.replace(params=layer)
+  vocab_ids = None if drafter.vocab_ids is None else place(drafter.vocab_ids, (None,), rules)
+  layer = (jax.device_put(layer, NamedSharding(rules.mesh, PartitionSpec())) if packed
+           else place(layer, drafter_logical_axes(config), rules))
+  return params, DraftWeights(layer, vocab_ids)
