@@ -11,6 +11,7 @@ from typing import Any
 
 from absl import flags
 
+from experiments import sd_flags
 from tlt_jax.errors import UserInputError
 
 # ---- model and data
@@ -45,12 +46,6 @@ _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Response length cap.", l
 _TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Rollout temperature.")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Rollout nucleus mass.")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "Rollout top-k; 0 disables.")
-_DRAFTER = flags.DEFINE_string("drafter", None, "Drafter dir: speculative decoding for the "
-                               "rollout's tail (lossless).")
-_STRATEGY = flags.DEFINE_string("strategy", "4_1_5", "SD strategy DEPTH_TOPK_VERIFY, or a "
-                                "comma-separated pool for the BEG-MAB bandit.")
-_SD_THRESHOLD = flags.DEFINE_integer("sd_threshold", 32, "SD on at <= this many live rows ...")
-_SD_PATIENCE = flags.DEFINE_integer("sd_patience", 10, "... for this many decode steps.")
 _PRECOMPILE = flags.DEFINE_bool("precompile", False, "Compile every program a step's rollout "
                                 "and update can dispatch before step 1 (minutes on CPU), so "
                                 "no step waits on the compiler.")
@@ -120,22 +115,10 @@ def check_run_dir(run_dir: str) -> None:
 
 
 def run_flags() -> dict[str, Any]:
-  """Every flag this module defines, by name: what a checkpoint records."""
-  return {f.name: f.value for f in flags.FLAGS.get_flags_for_module(__name__)}
-
-
-def rollout_spec(config, dtype):
-  """SD for the rollout's tail from --drafter / --strategy / --sd_*; None without a drafter."""
-  from tlt_jax.drafter.trainer import speculation_config
-  from tlt_jax.rollout.bandit import BanditConfig, StrategyBandit, parse_strategies
-
-  if _DRAFTER.value is None:
-    return None
-  strategies = parse_strategies(_STRATEGY.value)
-  choice = ({"strategy": strategies[0]} if len(strategies) == 1 else
-            {"bandit": StrategyBandit(BanditConfig(strategies, seed=_SEED.value))})
-  return speculation_config(_DRAFTER.value, config, dtype, threshold=_SD_THRESHOLD.value,
-                            patience=_SD_PATIENCE.value, **choice)
+  """Every flag of a run (this module's and the SD flags), by name: what a checkpoint
+  records."""
+  return {f.name: f.value for module in (__name__, sd_flags.__name__)
+          for f in flags.FLAGS.get_flags_for_module(module)}
 
 
 @dataclasses.dataclass
@@ -147,7 +130,8 @@ class Run:
   data_counts: dict
 
   def describe(self) -> str:
-    sd = f", SD {_STRATEGY.value} below {_SD_THRESHOLD.value} rows" if self.spec else ""
+    sd = (f", SD {self.spec.kinds} {sd_flags.STRATEGY.value} below "
+          f"{self.spec.threshold} rows" if self.spec else "")
     return (f"{_MODEL.value} on {self.data_counts['num_train']} prompts "
             f"({_PROMPTS.value} x {_GROUP.value} per step, <= {_MAX_NEW.value} tokens{sd})")
 
@@ -162,17 +146,14 @@ class Run:
     start = time.perf_counter()
     learner = self.learner
     count = precompile_rollouts(learner.rollout_params, learner.config, _PROMPTS.value,
-                                _MAX_PROMPT_LEN.value, learner.rollout)
+                                _MAX_PROMPT_LEN.value, learner.rollout, learner.drafter)
     count += precompile_training(learner.state, learner.update)
     return_free_heap()
     print(f"precompiled {count} programs in {time.perf_counter() - start:.0f} s",
           file=sys.stderr)
 
   def checkpoint_meta(self, history: list) -> dict[str, Any]:
-    bandit = self.spec.bandit if self.spec is not None else None
-    return {"stream": self.learner.stream.state(), "history": history,
-            "bandit": bandit.state_dict() if bandit is not None else None,
-            "flags": run_flags()}
+    return {**self.learner.host_state(), "history": history, "flags": run_flags()}
 
   def check_resumable(self, meta: dict[str, Any]) -> None:
     saved, now = meta.get("flags", {}), run_flags()
@@ -180,15 +161,6 @@ class Run:
       if name not in RESUMABLE_CHANGES and saved.get(name) != now.get(name):
         raise UserInputError(f"--{name}={now.get(name)!r}: the checkpoint was trained with "
                              f"{saved.get(name)!r}; resume with the same flag")
-
-  def restore_bandit(self, state: dict | None) -> None:
-    """What the bandit had learned by the checkpoint (its choices go on from there)."""
-    from tlt_jax.rollout.bandit import StrategyBandit
-    if state is None or self.spec is None or self.spec.bandit is None:
-      return
-    bandit = StrategyBandit.from_state_dict(self.spec.bandit.config, state)
-    self.spec = dataclasses.replace(self.spec, bandit=bandit)
-    self.learner.rollout = dataclasses.replace(self.learner.rollout, spec=self.spec)
 
   def export_hf(self, params, out_dir: str) -> None:
     from tlt_jax.models.hf import save_hf_dir
@@ -257,16 +229,7 @@ def build_run(total_steps: int) -> Run:
   for flag in (_TRAIN_FILE, _VAL_FILE):
     if flag.value is not None and not os.path.isfile(flag.value):
       raise UserInputError(f"--{flag.name}={flag.value}: no such file")
-  if _DRAFTER.value is not None and not os.path.isdir(_DRAFTER.value):
-    raise UserInputError(f"--drafter={_DRAFTER.value}: no such directory")
-  sd_given = [f for f in ("strategy", "sd_threshold", "sd_patience") if flags.FLAGS[f].present]
-  if _DRAFTER.value is None and sd_given:
-    raise UserInputError(f"--{sd_given[0]} needs --drafter (speculative decoding is off)")
-  if _DRAFTER.value is not None:
-    from tlt_jax.rollout.bandit import parse_strategies
-    from tlt_jax.rollout.engine import SpecConfig
-    parse_strategies(_STRATEGY.value)
-    SpecConfig.validate_schedule(_SD_THRESHOLD.value, _SD_PATIENCE.value)
+  spec = sd_flags.spec_from_flags(_SEED.value)
   seq_len = _TRAIN_SEQ_LEN.value or round_up(_MAX_PROMPT_LEN.value + _MAX_NEW.value, 64)
   if seq_len < _MAX_PROMPT_LEN.value + _MAX_NEW.value:
     raise UserInputError(f"--train_seq_len={seq_len}: shorter than --max_prompt_len + "
@@ -297,7 +260,7 @@ def build_run(total_steps: int) -> Run:
     raise UserInputError(f"--prompts_per_step={_PROMPTS.value}: more than the "
                          f"{counts['num_train']} training prompts")
   stream = PromptStream(data.train, _PROMPTS.value, _SEED.value)
-  spec = rollout_spec(model.config, dtype)
+  drafter = sd_flags.drafter_from_flags(spec, model.config, dtype)
   eos_ids = tuple(sorted(set(model.config.eos_token_ids) | set(tokenizer.eos_token_ids)))
   rules = trainer_rules()
   # The rollout runs on the trainer's devices, laid out by the same rules.
@@ -324,5 +287,5 @@ def build_run(total_steps: int) -> Run:
                                            dynamic_sampling=_DYNAMIC.value,
                                            max_rollout_batches=_MAX_BATCHES.value,
                                            seed=_SEED.value),
-                    update=context, rewards=rewards)
+                    update=context, rewards=rewards, drafter=drafter)
   return Run(learner=learner, val_items=data.val, model=model, spec=spec, data_counts=counts)

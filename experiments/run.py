@@ -83,11 +83,9 @@ def main(argv):
   learner, val_items = run.learner, run.val_items
   history: list = []
   if resume_step is not None:
-    learner.state, meta = checkpoints.restore(resume_step, learner.state)
+    state, meta = checkpoints.restore(resume_step, learner.state)
     run.check_resumable(meta)
-    learner.stream.restore(meta["stream"])
-    run.restore_bandit(meta.get("bandit"))
-    learner.rollout_params = learner.sync_weights(learner.state.params)
+    learner.restore(state, meta)
     history = meta["history"]
     print(f"resumed {run_dir} at step {resume_step}", file=sys.stderr)
   run.precompile()

@@ -12,9 +12,11 @@ from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import init_drafter_params
 from tlt_jax.models.kv_cache import init_cache
 from tlt_jax.rollout.buckets import BucketSpec
-from tlt_jax.rollout.engine import SpecConfig, generate, windowed_attention
+from tlt_jax.rollout.engine import generate, windowed_attention
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.spec_config import SpecConfig
 from tlt_jax.rollout.strategy import SpecStrategy
+from tlt_jax.rollout.weights import DraftWeights
 
 CONFIG = ModelConfig(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=64,
                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -62,13 +64,14 @@ def test_windowed_decode_matches_cacheless_greedy(strategy, attention_impl):
   rng = np.random.RandomState(0)
   prompts = [rng.randint(0, CONFIG.vocab_size, n).tolist() for n in (3, 11, 6)]
   spec = None if strategy is None else SpecConfig(
-      drafter=init_drafter_params(CONFIG, jax.random.key(4)),
       strategy=SpecStrategy.parse(strategy), threshold=4, patience=0)
+  drafter = None if strategy is None else DraftWeights(
+      init_drafter_params(CONFIG, jax.random.key(4)))
   # Page 8 and 2-step chunks: the window grows by doubling up to the whole cache.
   result = generate(params, CONFIG, prompts, max_new_tokens=45,
                     sampling=SamplingParams(temperature=0.0),
                     buckets=BucketSpec(cache_page=8, prompt_page=8), chunk_steps=2, spec=spec,
-                    attention_impl=attention_impl)
+                    drafter=drafter, attention_impl=attention_impl)
   assert result.stats["cache_length"] >= 56
   for prompt, out in zip(prompts, result.outputs):
     tokens, logprobs = _greedy_without_cache(params, prompt, 45)

@@ -81,7 +81,7 @@ def test_sd_cli_matches_plain_and_reports_stats(tiny_hf_dirs, drafter_dirs, tmp_
     (["--sd_threshold=100000"], "--sd_threshold"),
     (["--draft_temperature_ratio=0"], "--draft_temperature_ratio"),
     (["--drafter=OTHER"], "fc.weight"),
-    (["--drafter=MISSING"], "missing"),
+    (["--drafter=MISSING"], "no such directory"),
 ])
 def test_sd_cli_bad_input(tiny_hf_dirs, drafter_dirs, tmp_path, flag_args, needle):
   prompts = tmp_path / "prompts.json"

@@ -17,16 +17,18 @@ from tlt_jax.errors import UserInputError
 from tlt_jax.models import transformer
 from tlt_jax.rollout import hybrid
 from tlt_jax.rollout.buckets import BucketSpec
-from tlt_jax.rollout.engine import SpecConfig, generate
+from tlt_jax.rollout.engine import generate
 from tlt_jax.rollout.ngram import NgramConfig
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.spec_config import SpecConfig, SpecMemory
 from tlt_jax.rollout.strategy import SpecStrategy
+from tlt_jax.rollout.weights import DraftWeights
 
 
-def _hybrid_spec(drafter, merge=False, **fields):
+def _hybrid_spec(**fields):
   fields = dict(dict(strategy=SpecStrategy(4, 1, 5), threshold=8, patience=2), **fields)
-  return SpecConfig(drafter=drafter, ngram_config=NgramConfig(max_ngram=3),
-                    hybrid=hybrid.HybridConfig(merge=merge), **fields)
+  return SpecConfig(kind="hybrid", ngram_config=NgramConfig(max_ngram=3),
+                    hybrid=hybrid.HybridConfig(), **fields)
 
 
 def _picks(live, learned_emits, ngram_emits, steps=40, short_emits=None,
@@ -101,14 +103,14 @@ def test_pick_memory_carries_the_batch_rates_to_the_next_rollout():
   carried, _ = _picks([True], [4], [3], steps=400, memory=memory)
   first_try = int(np.argmax(carried[:, 0]))
   assert 40 < first_try and carried[:, 0].sum() <= 5, first_try
-  with pytest.raises(UserInputError, match="pick_memory carries the hybrid's pick"):
-    SpecConfig(ngram_config=NgramConfig(), strategy=SpecStrategy(3, 1, 4),
-               pick_memory=hybrid.PickMemory())
+  # A SpecMemory keeps the hybrid's pick only where both sources draft.
+  assert SpecMemory(SpecConfig(kind="ngram", strategy=SpecStrategy(3, 1, 4))).picks is None
+  assert isinstance(SpecMemory(_hybrid_spec()).picks, hybrid.PickMemory)
 
 
 def test_point_mass_then_drawn_sibling_emits_p():
-  """A merged tree's root: a point-mass child c tried first, then a child drawn from q
-  (which may draw c too). 60000 walks: the first emitted token follows p (chi-square at
+  """A root with a point-mass child c tried first, then a child drawn from q (which may
+  draw c too). 60000 walks: the first emitted token follows p (chi-square at
   p >= 0.001 catches a 2% total-variation shift), and both children are accepted often."""
   import jax
   from scipy.stats import chisquare
@@ -134,23 +136,23 @@ def test_point_mass_then_drawn_sibling_emits_p():
   assert p_value >= 1e-3, p_value
 
 
-@pytest.mark.parametrize("merge,group_size", [(False, 4), (True, 4), (False, 8)],
-                         ids=["pick", "merge", "pick-G8"])
-def test_hybrid_greedy_is_token_identical(merge, group_size):
+@pytest.mark.parametrize("group_size", [4, 8], ids=["pick", "pick-G8"])
+def test_hybrid_greedy_is_token_identical(group_size):
   """Groups of equal prompts of different lengths, each row with its own cap: the batch
   of 16 compacts to 8 before SD switches on and again while it runs. Per-row picks: both
-  kinds draft. Merged trees: the random drafter's chain never beats the group's text."""
+  kinds draft."""
   config, params, drafter = _model(97, seed=2)
   lengths = (5, 9, 3, 12) if group_size == 4 else (7, 11)
   prompts = [p for p in _prompts(97, lengths, seed=4) for _ in range(group_size)]
   caps = [6 + 3 * i for i in range(len(prompts))]
   plain = generate(params, config, prompts, max_new_tokens=caps, sampling=GREEDY,
                    eos_ids=(96,))
-  # The picking variant keeps its batch counts for a second rollout (checked below).
-  memory = None if merge else hybrid.PickMemory()
-  spec = _hybrid_spec(drafter, merge, pick_memory=memory)
+  # The rollout keeps its batch counts for a second rollout (checked below).
+  spec = _hybrid_spec()
+  memory = SpecMemory(spec)
+  weights = DraftWeights(drafter)
   sd = generate(params, config, prompts, max_new_tokens=caps, sampling=GREEDY, eos_ids=(96,),
-                spec=spec, chunk_steps=4)
+                spec=spec, drafter=weights, memory=memory, chunk_steps=4)
   for a, b in zip(plain.outputs, sd.outputs):
     assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
   scored = _forward_logprobs(params, config, prompts, [o.token_ids for o in sd.outputs])
@@ -162,19 +164,17 @@ def test_hybrid_greedy_is_token_identical(merge, group_size):
   assert stats["spec/drafter"] == "hybrid" and stats["spec/verify_steps"] > 0
   share, accept = stats["spec/verify_share_by_drafter"], stats["spec/accept_len_by_drafter"]
   assert set(share) == set(accept) == {"learned", "ngram"}
-  assert (0 < share["learned"] < 1 or merge) and abs(sum(share.values()) - 1) < 1e-9, share
+  assert 0 < share["learned"] < 1 and abs(sum(share.values()) - 1) < 1e-9, share
   # The steps each kind won, weighted by its accept length, add up to the overall one.
   overall = share["learned"] * accept["learned"] + share["ngram"] * accept["ngram"]
   assert abs(overall - stats["spec/accept_len"]) < 1e-9
   # The group's repeated greedy text drafts well, the random drafter badly.
   assert accept["ngram"] > accept["learned"] and share["ngram"] > 0.5, (accept, share)
   assert stats["spec/context_sizes"] == {"entries": 16, "length": 128, "members": group_size}
-  if memory is None:
-    return
   # Starting from the first rollout's counts, the second drafts less with the drafter the
   # first measured as worse, and is as exact.
   again = generate(params, config, prompts, max_new_tokens=caps, sampling=GREEDY,
-                   eos_ids=(96,), spec=spec, chunk_steps=4)
+                   eos_ids=(96,), spec=spec, drafter=weights, memory=memory, chunk_steps=4)
   assert [o.token_ids for o in again.outputs] == [o.token_ids for o in plain.outputs]
   assert again.stats["spec/verify_share_by_drafter"]["learned"] < share["learned"]
 
@@ -183,17 +183,16 @@ def test_mixed_pool_greedy_is_token_identical():
   """One BEG-MAB pool of a hybrid chain, a model-free tree and a learned tree (each bucket
   plays its untried strategies first, so all come up): plain greedy tokens, and the steps
   split by the drafter that drafted them."""
-  from tlt_jax.rollout.bandit import BanditConfig, StrategyBandit, parse_strategies
+  from tlt_jax.rollout.bandit import BanditConfig, parse_strategies
   config, params, drafter = _model(97, seed=2)
   prompts = [p for p in _prompts(97, (5, 9, 3, 12), seed=4) for _ in range(4)]
   caps = [6 + 3 * i for i in range(len(prompts))]
   plain = generate(params, config, prompts, max_new_tokens=caps, sampling=GREEDY,
                    eos_ids=(96,))
   pool = parse_strategies("hybrid:3_1_4,ngram:4_2_7,learned:3_2_5")
-  spec = _hybrid_spec(drafter, strategy=None,
-                      bandit=StrategyBandit(BanditConfig(pool, epsilon=0.0)))
+  spec = _hybrid_spec(strategy=None, bandit=BanditConfig(pool, epsilon=0.0))
   sd = generate(params, config, prompts, max_new_tokens=caps, sampling=GREEDY, eos_ids=(96,),
-                spec=spec, chunk_steps=1)
+                spec=spec, drafter=DraftWeights(drafter), chunk_steps=1)
   for a, b in zip(plain.outputs, sd.outputs):
     assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
   stats = sd.stats
@@ -202,45 +201,44 @@ def test_mixed_pool_greedy_is_token_identical():
   assert 0 < stats["spec/verify_share_by_drafter"]["ngram"] < 1
   # An unnamed tree is the hybrid's, whose drafts are chains; a learned kind needs a drafter.
   with pytest.raises(UserInputError, match="3_2_5: hybrid drafting verifies chains"):
-    _hybrid_spec(drafter, strategy=SpecStrategy(3, 2, 5))
+    _hybrid_spec(strategy=SpecStrategy(3, 2, 5))
   with pytest.raises(UserInputError, match="learned:3_1_4: needs a learned drafter"):
-    SpecConfig(ngram_config=NgramConfig(), strategy=SpecStrategy(3, 1, 4, "learned"))
-  with pytest.raises(UserInputError, match="hybrid:3_1_4: needs --hybrid"):
-    SpecConfig(drafter=drafter, ngram_config=NgramConfig(),
-               strategy=SpecStrategy(3, 1, 4, "hybrid"))
+    generate(params, config, prompts[:2], max_new_tokens=2, sampling=GREEDY,
+             spec=SpecConfig(kind="ngram", strategy=SpecStrategy(3, 1, 4, "learned")))
+  with pytest.raises(UserInputError, match="hybrid:3_1_4: needs a learned drafter"):
+    generate(params, config, prompts[:2], max_new_tokens=2, sampling=GREEDY,
+             spec=SpecConfig(kind="ngram", strategy=SpecStrategy(3, 1, 4, "hybrid")))
 
 
-def _tokens(params, config, spec, seed, sampling, rows, length):
+def _tokens(params, config, spec, seed, sampling, rows, length, drafter=None):
   result = generate(params, config, [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2]] * rows,
                     max_new_tokens=length, sampling=sampling, seed=seed, spec=spec,
+                    drafter=drafter,
                     buckets=BucketSpec(batch_buckets=(rows,), cache_page=32),
                     group_ids=[i // 8 for i in range(rows)])
   return [o.token_ids for o in result.outputs], result.stats
 
 
-@pytest.mark.parametrize("merge", [False, True], ids=["pick", "merge"])
-def test_hybrid_sampling_matches_plain_marginals(monkeypatch, merge):
+def test_hybrid_sampling_matches_plain_marginals(monkeypatch):
   """Per-position marginals of 24 sampled tokens, hybrid SD vs plain, 16384 samples a side
   (chi-square homogeneity per position; 24 tests, so each at p >= 1e-4: 0.0024 family-wise).
   Power: plain sampling at T=0.75 against T=0.7 (~2% total variation per position) gives
   p < 1e-4 at 17 of 24 positions, min 5e-9. Per-row picks (from each row's own outcomes):
   the learned drafter drafts ~0.56 of the steps (1.66 tokens each), model-free ~0.44
-  (1.58), from the repetitive prompt and the group's text; 1.62 overall. Merged trees (a
-  point-mass chain and a drawn one from the root): the path takes the learned chain in
-  ~0.27 of the steps; 1.74 overall."""
-  from tlt_jax.rollout import engine
-  monkeypatch.setattr(engine, "MAX_SD_THRESHOLD", 4096)   # SD on for the whole batch
+  (1.58), from the repetitive prompt and the group's text; 1.62 overall."""
+  from tlt_jax.rollout import spec_config
+  monkeypatch.setattr(spec_config, "MAX_SD_THRESHOLD", 4096)   # SD on for the whole batch
   config, params, drafter = _model(6, seed=11)
   sampling = SamplingParams(temperature=0.7)
-  spec = _hybrid_spec(drafter, merge, strategy=SpecStrategy(3, 1, 4), threshold=4096,
-                      patience=0)
+  spec = _hybrid_spec(strategy=SpecStrategy(3, 1, 4), threshold=4096, patience=0)
+  weights = DraftWeights(drafter)
   length, rows = 24, 4096
   plain = [collections.Counter() for _ in range(length)]
   sd = [collections.Counter() for _ in range(length)]
   shares = []
   for seed in range(4):
-    for counters, s, offset in ((plain, None, 0), (sd, spec, 1000)):
-      tokens, stats = _tokens(params, config, s, offset + seed, sampling, rows, length)
+    for counters, s, w, offset in ((plain, None, None, 0), (sd, spec, weights, 1000)):
+      tokens, stats = _tokens(params, config, s, offset + seed, sampling, rows, length, w)
       for position, counter in enumerate(counters):
         counter.update(t[position] for t in tokens)
     shares.append(stats["spec/verify_share_by_drafter"]["learned"])
@@ -250,20 +248,20 @@ def test_hybrid_sampling_matches_plain_marginals(monkeypatch, merge):
 
 
 def test_hybrid_bad_input_is_one_line(tmp_path):
-  """SpecConfig: a hybrid needs both drafters and chains. CLI: `--hybrid` without a learned
-  drafter, and benchmarks/model_free.py's batches that split no group evenly or unknown
-  variants, are one line, exit 2, before the model loads."""
-  _, _, drafter = _model(8)
-  with pytest.raises(UserInputError, match="hybrid drafting needs both"):
-    SpecConfig(drafter=drafter, hybrid=hybrid.HybridConfig(), strategy=SpecStrategy(3, 1, 4))
+  """SpecConfig: a hybrid needs a learned drafter's weights and chains. CLI: `--hybrid`
+  without a learned drafter, and benchmarks/model_free.py's batches that split no group
+  evenly or unknown variants, are one line, exit 2, before the model loads."""
+  config, params, _ = _model(8)
+  with pytest.raises(UserInputError, match="3_1_4: needs a learned drafter"):
+    generate(params, config, [[1, 2]], max_new_tokens=2, sampling=GREEDY,
+             spec=_hybrid_spec(strategy=SpecStrategy(3, 1, 4)))
   with pytest.raises(UserInputError, match="hybrid drafting verifies chains"):
-    _hybrid_spec(drafter, strategy=SpecStrategy(3, 2, 5))
+    _hybrid_spec(strategy=SpecStrategy(3, 2, 5))
   with pytest.raises(UserInputError, match="memory=1"):
     hybrid.HybridConfig(memory=1.0)
   (tmp_path / "prompts.json").write_text(json.dumps([[1, 2, 3]]))
   for flags, message in ((["--drafter=ngram", "--hybrid"], "--drafter=ngram is model-free"),
-                         (["--hybrid"], "--hybrid needs --drafter=DIR"),
-                         (["--drafter=ngram", "--hybrid_merge"], "--hybrid_merge needs")):
+                         (["--hybrid"], "--hybrid needs --drafter=DIR")):
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.generate", "--model=/nonexistent",
          f"--prompts_json={tmp_path / 'prompts.json'}", f"--output_json={tmp_path / 'o.json'}",

@@ -15,15 +15,16 @@ from tlt_jax.errors import UserInputError
 from tlt_jax.models import transformer
 from tlt_jax.rollout.acceptance import recursive_rejection
 from tlt_jax.rollout.buckets import BucketSpec
-from tlt_jax.rollout.engine import SpecConfig, generate
-from tlt_jax.rollout.hybrid import HybridConfig
+from tlt_jax.rollout.engine import generate
 from tlt_jax.rollout.ngram import NgramConfig
 from tlt_jax.rollout.sampling import SamplingParams, processed_logprobs
+from tlt_jax.rollout.spec_config import SpecConfig
 from tlt_jax.rollout.strategy import SpecStrategy
+from tlt_jax.rollout.weights import DraftWeights
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL_FREE = SpecConfig(ngram_config=NgramConfig(max_ngram=3), strategy=SpecStrategy(4, 1, 5),
-                        threshold=8, patience=2)
+MODEL_FREE = SpecConfig(kind="ngram", ngram_config=NgramConfig(max_ngram=3),
+                        strategy=SpecStrategy(4, 1, 5), threshold=8, patience=2)
 
 
 def _forward_logprobs(params, config, prompts, outputs, temperature=1.0):
@@ -285,12 +286,12 @@ def test_model_free_sampling_matches_plain_joint_distribution(monkeypatch, strat
   (noncentral chi-square, from the plain distribution; half the samples gave 0.84 and
   0.44). Drafts come from the repetitive prompt and the siblings' text, and are often
   accepted and often rejected. 2_2_5: two distinct continuations per node."""
-  from tlt_jax.rollout import engine
-  monkeypatch.setattr(engine, "MAX_SD_THRESHOLD", 4096)   # SD on for the whole batch
+  from tlt_jax.rollout import spec_config
+  monkeypatch.setattr(spec_config, "MAX_SD_THRESHOLD", 4096)   # SD on for the whole batch
   config, params, _ = _model(6, seed=11)
   sampling = SamplingParams(temperature=0.5)
-  spec = SpecConfig(ngram_config=NgramConfig(), strategy=SpecStrategy.parse(strategy),
-                    threshold=4096, patience=0)
+  spec = SpecConfig(kind="ngram", ngram_config=NgramConfig(),
+                    strategy=SpecStrategy.parse(strategy), threshold=4096, patience=0)
   plain, sd = collections.Counter(), collections.Counter()
   accept_lens = []
   for seed in range(8):
@@ -320,10 +321,12 @@ def test_model_free_bad_input_is_one_line():
   with pytest.raises(UserInputError, match="draft_context: needs model-free"):
     run(draft_context=[[1], [2]])
   with pytest.raises(UserInputError, match="hybrid drafting verifies chains"):
-    SpecConfig(drafter=drafter, ngram_config=NgramConfig(), hybrid=HybridConfig(),
-               strategy=SpecStrategy(3, 2, 5))
-  with pytest.raises(UserInputError, match="exactly one of drafter and ngram_config"):
-    SpecConfig(drafter=drafter, ngram_config=NgramConfig(), strategy=SpecStrategy(3, 1, 4))
+    SpecConfig(kind="hybrid", ngram_config=NgramConfig(), strategy=SpecStrategy(3, 2, 5))
+  # Weights given where every strategy drafts model-free.
+  with pytest.raises(UserInputError, match="drafter weights given, but every strategy "
+                     "drafts model-free"):
+    run(spec=dataclasses.replace(MODEL_FREE, strategy=SpecStrategy(3, 1, 4)),
+        drafter=DraftWeights(drafter))
   with pytest.raises(UserInputError, match="--max_ngram=0"):
     NgramConfig(max_ngram=0)
 

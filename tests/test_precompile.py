@@ -1,5 +1,6 @@
 """precompile builds the whole program pool: the rollouts that follow compile nothing, even
-when a bandit tries strategies it has never played and compaction skips buckets.
+when a bandit tries strategies it has never played and compaction skips buckets; and every
+program a rollout runs is one `Rollout.programs` lists (`compile/unlisted`).
 
 The rollout check runs in its own Python process: tens of extra programs compiled inside
 the shared pytest process preceded an XLA CPU compiler segfault later in the suite."""
@@ -32,11 +33,13 @@ def check_rollouts_after_precompile_compile_nothing(spec_kind: str) -> None:
   from tlt_jax.models import transformer
   from tlt_jax.models.config import ModelConfig
   from tlt_jax.rollout.bandit import BanditConfig, StrategyBandit, parse_strategies
-  from tlt_jax.rollout.engine import SpecConfig, generate, plan_rollout
+  from tlt_jax.rollout.engine import generate, plan_rollout
   from tlt_jax.rollout.hybrid import HybridConfig
   from tlt_jax.rollout.ngram import NgramConfig
   from tlt_jax.rollout.precompile import precompile
   from tlt_jax.rollout.sampling import SamplingParams
+  from tlt_jax.rollout.spec_config import SpecConfig, SpecMemory
+  from tlt_jax.rollout.weights import DraftWeights
 
   config = ModelConfig(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=64,
                        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -46,9 +49,9 @@ def check_rollouts_after_precompile_compile_nothing(spec_kind: str) -> None:
   prompts_of = lambda lengths, seed: [
       np.random.RandomState(seed * 100 + i).randint(0, config.vocab_size, n).tolist()
       for i, n in enumerate(lengths)]
-  spec, use_spec, pool = None, spec_kind != "none", "2_1_3,3_2_5"
+  spec, drafter, use_spec, pool = None, None, spec_kind != "none", "2_1_3,3_2_5"
   model_free = {}
-  if spec_kind in ("ngram", "hybrid"):
+  if spec_kind in ("ngram", "hybrid", "mixed"):
     # Groups of 3 rows, two with an earlier response: the draft context's shapes key the
     # programs too.
     model_free = dict(group_ids=[i // 3 for i in range(9)],
@@ -56,27 +59,36 @@ def check_rollouts_after_precompile_compile_nothing(spec_kind: str) -> None:
   if spec_kind == "ngram":
     # One strategy: the bandit's programs are the learned case's.
     pool = "3_1_4"
-    spec = SpecConfig(ngram_config=NgramConfig(), strategy=parse_strategies(pool)[0],
-                      threshold=4, patience=1)
+    spec = SpecConfig(kind="ngram", ngram_config=NgramConfig(),
+                      strategy=parse_strategies(pool)[0], threshold=4, patience=1)
   elif spec_kind == "hybrid":
     # One chain (a hybrid's two drafts share one verify shape): the bandit's programs are
     # the learned case's.
     pool = "3_1_4"
-    spec = SpecConfig(drafter=drafter_lib.init_drafter_params(config, jax.random.key(1)),
-                      ngram_config=NgramConfig(), hybrid=HybridConfig(),
+    spec = SpecConfig(kind="hybrid", ngram_config=NgramConfig(), hybrid=HybridConfig(),
                       strategy=parse_strategies(pool)[0], threshold=4, patience=1)
+    drafter = DraftWeights(drafter_lib.init_drafter_params(config, jax.random.key(1)))
+  elif spec_kind == "mixed":
+    # A pool mixing drafter kinds, a learned tree among model-free and hybrid chains: every
+    # strategy drafts with both sources in step (`HybridDrafter`), each its own kind.
+    pool = "learned:3_2_5,ngram:3_1_4,hybrid:3_1_4"
+    spec = SpecConfig(bandit=BanditConfig(parse_strategies(pool), epsilon=1.0, seed=3),
+                      threshold=4, patience=1)
+    drafter = DraftWeights(drafter_lib.init_drafter_params(config, jax.random.key(1)))
   elif use_spec:
     # epsilon=1: each chunk plays a random strategy, so every one of them comes up.
-    bandit = StrategyBandit(BanditConfig(parse_strategies(pool), epsilon=1.0, seed=3))
-    spec = SpecConfig(drafter=drafter_lib.init_drafter_params(config, jax.random.key(1)),
-                      bandit=bandit, threshold=4, patience=1)
+    spec = SpecConfig(bandit=BanditConfig(parse_strategies(pool), epsilon=1.0, seed=3),
+                      threshold=4, patience=1)
+    drafter = DraftWeights(drafter_lib.init_drafter_params(config, jax.random.key(1)))
   kwargs = dict(max_new_tokens=[60, 5, 40, 9, 2, 33, 12, 60, 20],
                 sampling=SamplingParams(temperature=0.0), eos_ids=(7,), buckets=BUCKETS,
-                chunk_steps=3, spec=spec, **model_free)
+                chunk_steps=3, spec=spec, drafter=drafter, **model_free)
+  # What SD learns (the bandit's rewards) carries over the rollouts below, as in a run.
+  memory = None if spec is None else SpecMemory(spec)
   prompts = prompts_of((5, 9, 3, 12, 7, 4, 6, 8, 10), seed=0)
   assert precompile(params, config, prompts, **kwargs) > 0
-  if spec is not None and spec.bandit is not None:
-    assert spec.bandit.summary() == StrategyBandit(spec.bandit.config).summary()  # untouched
+  if memory is not None and memory.bandit is not None:
+    assert memory.bandit.summary() == StrategyBandit(spec.bandit).summary()  # untouched
   assert precompile(params, config, prompts, **kwargs) == 0
   plan = plan_rollout(prompts, kwargs["max_new_tokens"], config, BUCKETS, spec, (7,))
   strategies_played = set()
@@ -87,8 +99,10 @@ def check_rollouts_after_precompile_compile_nothing(spec_kind: str) -> None:
     lengths[3], lengths[7] = 12, 8
     others = prompts_of(lengths, seed=10 + seed)
     assert plan_rollout(others, kwargs["max_new_tokens"], config, BUCKETS, spec, (7,)) == plan
-    result = generate(params, config, others, seed=seed, **kwargs)
+    result = generate(params, config, others, seed=seed, memory=memory, **kwargs)
     assert result.stats["compile/new_programs"] == 0, (seed, result.stats)
+    # Every program the rollout ran is one `Rollout.programs` lists (so precompile built it).
+    assert result.stats["compile/unlisted"] == [], (seed, result.stats["compile/unlisted"])
     assert len(result.stats["rollout/batch_buckets"]) >= 2       # compaction happened
     if use_spec:
       assert result.stats["spec/verify_steps"] > 0
@@ -97,7 +111,7 @@ def check_rollouts_after_precompile_compile_nothing(spec_kind: str) -> None:
     assert strategies_played == set(pool.split(","))
 
 
-@pytest.mark.parametrize("spec_kind", ["none", "learned", "ngram", "hybrid"])
+@pytest.mark.parametrize("spec_kind", ["none", "learned", "ngram", "hybrid", "mixed"])
 def test_rollouts_after_precompile_compile_nothing(spec_kind):
   code = ("from tests.test_precompile import check_rollouts_after_precompile_compile_nothing "
           f"as check; check({spec_kind!r})")

@@ -105,6 +105,13 @@ _CHEAP_CASES = {
                                ["--export_hf={bad_rows}/export", "is not a directory"], False),
     "all_filtered_out": (["--max_prompt_len=4"], None,
                          ["--max_prompt_len=4", "none of the 8 prompts fits"], True),
+    # The SD flags experiments.run shares with experiments.generate (sd_flags.py).
+    "sd_missing_drafter_dir": (["--drafter=/nonexistent/drafter"], None,
+                               ["--drafter=/nonexistent/drafter", "no such directory"], False),
+    "sd_hybrid_without_drafter": (["--hybrid"], None, ["--hybrid needs --drafter=DIR"], False),
+    "sd_learned_strategy_without_drafter": (
+        ["--drafter=ngram", "--strategy=learned:3_1_4,ngram:3_1_4"], None,
+        ["--strategy=learned:3_1_4", "needs a learned drafter"], False),
 }
 
 

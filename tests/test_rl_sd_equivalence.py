@@ -22,9 +22,10 @@ from tlt_jax.rl.rewards import RewardPool, RewardSpec
 from tlt_jax.rl.rollout import RolloutSettings
 from tlt_jax.rl.update import UpdateConfig, UpdateContext, init_policy_state
 from tlt_jax.rollout.buckets import BucketSpec
-from tlt_jax.rollout.engine import SpecConfig
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.spec_config import SpecConfig
 from tlt_jax.rollout.strategy import SpecStrategy
+from tlt_jax.rollout.weights import DraftWeights
 
 VOCAB = 12
 EOS = (10, 11)          # 2 of 12 ids: sampled responses end at varied lengths
@@ -89,8 +90,8 @@ def _learner(params, drafter, rewards, *, sd, temperature, prompts_per_step, gro
   donate the policy's buffers), SD on from the first decode step, an entropy bonus."""
   sampling = SamplingParams(temperature=temperature)
   rows = prompts_per_step * group_size
-  spec = (SpecConfig(drafter=drafter, strategy=SpecStrategy.parse("4_1_5"), threshold=rows,
-                     patience=0) if sd else None)
+  spec = (SpecConfig(strategy=SpecStrategy.parse("4_1_5"), threshold=rows, patience=0)
+          if sd else None)
   rollout = RolloutSettings(group_size=group_size, max_new_tokens=MAX_NEW, sampling=sampling,
                             eos_ids=EOS, spec=spec, chunk_steps=8,
                             buckets=BucketSpec(batch_buckets=batch_buckets))
@@ -107,7 +108,8 @@ def _learner(params, drafter, rewards, *, sd, temperature, prompts_per_step, gro
                  stream=PromptStream(_prompt_pairs(32), prompts_per_step, seed=0),
                  rollout=rollout,
                  step_config=StepConfig(prompts_per_step=prompts_per_step, seed=seed),
-                 update=context, rewards=rewards)
+                 update=context, rewards=rewards,
+                 drafter=DraftWeights(drafter) if sd else None)
 
 
 def _capture_groups(learner):

@@ -21,11 +21,12 @@ def _sharded_vs_single() -> dict:
   from tlt_jax.models.config import ModelConfig
   from tlt_jax.models.kv_cache import init_cache
   from tlt_jax.rollout import engine
-  from tlt_jax.rollout.engine import SpecConfig, generate
-  from tlt_jax.rollout.weights import DraftWeights, place_rollout
+  from tlt_jax.rollout.engine import generate
   from tlt_jax.rollout.ngram import NgramConfig
   from tlt_jax.rollout.sampling import SamplingParams
+  from tlt_jax.rollout.spec_config import SpecConfig
   from tlt_jax.rollout.strategy import SpecStrategy
+  from tlt_jax.rollout.weights import DraftWeights, place_rollout
   from tlt_jax.sharding.mesh import make_mesh
   from tlt_jax.sharding.rules import MeshRules
 
@@ -47,15 +48,16 @@ def _sharded_vs_single() -> dict:
   prompts = [rng.randint(0, 97, n).tolist() for n in (5, 9, 3, 12)]
   # Rows finish apart: the batch is compacted and SD switches on mid-run.
   caps = [20, 3, 10, 6]
-  spec = SpecConfig(drafter=drafter, strategy=SpecStrategy(3, 2, 5), threshold=2, patience=2)
+  spec = SpecConfig(strategy=SpecStrategy(3, 2, 5), threshold=2, patience=2)
+  weights = DraftWeights(drafter)
   # The replica is a sub-mesh: the last four devices, none of them the default one.
   rules = MeshRules(make_mesh(fsdp=2, tp=2, devices=jax.devices()[4:]))
 
-  def run(rules, spec=spec):
+  def run(rules, spec=spec, drafter=weights):
     before = len(compiles)
     result = generate(params, config, prompts, max_new_tokens=caps,
                       sampling=SamplingParams(temperature=0.0), chunk_steps=4, spec=spec,
-                      rules=rules)
+                      drafter=drafter, rules=rules)
     return (result, [o.token_ids for o in result.outputs], [o.logprobs for o in result.outputs],
             len(compiles) - before)
 
@@ -73,13 +75,13 @@ def _sharded_vs_single() -> dict:
          "sharded_reported_programs": sharded.stats["compile/new_programs"],
          "again_compiles": run(rules)[3]}
   # Model-free: the draft context's pool is replicated, its rows' member lists sharded.
-  model_free = SpecConfig(ngram_config=NgramConfig(), strategy=SpecStrategy(3, 1, 4),
-                          threshold=2, patience=2)
-  single, sharded = run(None, model_free), run(rules, model_free)
+  model_free = SpecConfig(kind="ngram", ngram_config=NgramConfig(),
+                          strategy=SpecStrategy(3, 1, 4), threshold=2, patience=2)
+  single, sharded = run(None, model_free, None), run(rules, model_free, None)
   out.update(model_free_tokens_equal=single[1] == sharded[1],
              model_free_spec_chunks=sharded[0].stats["decode_chunks/spec"],
              model_free_compiles=(single[3], sharded[3]))
-  placed, placed_drafter = place_rollout(params, config, DraftWeights(spec.drafter), rules)
+  placed, placed_drafter = place_rollout(params, config, weights, rules)
   replica = {d.id for d in rules.mesh.devices.flat}
   out["wq_spec"] = str(placed["layers"][0]["wq"].sharding.spec)
   out["drafter_wk_spec"] = str(placed_drafter.params["layers"]["wk"].sharding.spec)

@@ -12,11 +12,15 @@ from tlt_jax.errors import UserInputError
 from tlt_jax.models import drafter as drafter_lib
 from tlt_jax.models import transformer
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.rollout.bandit import BanditConfig, StrategyBandit, parse_strategies
+from tlt_jax.rollout.bandit import BanditConfig, parse_strategies
 from tlt_jax.rollout.buckets import BucketSpec
-from tlt_jax.rollout.engine import SpecConfig, generate
+from tlt_jax.rollout.drafting import DraftInputs
+from tlt_jax.rollout.engine import generate
+from tlt_jax.rollout.learned_drafter import LearnedDrafter, LearnedState
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.spec_config import SpecConfig, SpecMemory
 from tlt_jax.rollout.strategy import SpecStrategy
+from tlt_jax.rollout.weights import DraftWeights
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -47,10 +51,10 @@ def test_greedy_sd_is_token_identical(vocab_size, strategy):
   eos = (vocab_size - 1,) if vocab_size >= 8 else ()
   threshold = 8 if eos else 16
   plain = generate(params, config, prompts, max_new_tokens=40, sampling=GREEDY, eos_ids=eos)
-  spec = SpecConfig(drafter=drafter, strategy=SpecStrategy.parse(strategy),
-                    threshold=threshold, patience=2 if eos else 0)
+  spec = SpecConfig(strategy=SpecStrategy.parse(strategy), threshold=threshold,
+                    patience=2 if eos else 0)
   sd = generate(params, config, prompts, max_new_tokens=40, sampling=GREEDY, eos_ids=eos,
-                spec=spec, chunk_steps=4)
+                spec=spec, drafter=DraftWeights(drafter), chunk_steps=4)
   for a, b in zip(plain.outputs, sd.outputs):
     assert a.token_ids == b.token_ids
     assert a.finish_reason == b.finish_reason
@@ -70,9 +74,8 @@ def test_per_row_caps_plain_and_sd():
   prompts = _prompts(97, (5, 9, 3, 12, 7))
   caps = [6, 30, 1, 17, 2]
   full = generate(params, config, prompts, max_new_tokens=30, sampling=GREEDY)
-  spec = SpecConfig(drafter=drafter, strategy=SpecStrategy.parse("4_2_6"), threshold=8,
-                    patience=0)
-  for kwargs in ({}, {"spec": spec, "chunk_steps": 4}):
+  spec = SpecConfig(strategy=SpecStrategy.parse("4_2_6"), threshold=8, patience=0)
+  for kwargs in ({}, {"spec": spec, "drafter": DraftWeights(drafter), "chunk_steps": 4}):
     capped = generate(params, config, prompts, max_new_tokens=caps, sampling=GREEDY, **kwargs)
     for cap, a, b in zip(caps, full.outputs, capped.outputs):
       assert b.token_ids == a.token_ids[:cap] and b.finish_reason == "length"
@@ -87,9 +90,8 @@ def test_sd_counters_cover_rows_dropped_by_compaction():
   config, params, drafter = _model(4, seed=3)
   prompts = _prompts(4, (5, 9, 3, 12, 7, 4), seed=1)
   caps = [40, 5, 12, 30, 3, 20]
-  spec = SpecConfig(drafter=drafter, strategy=SpecStrategy.parse("3_2_5"), threshold=8,
-                    patience=0)
-  kwargs = dict(sampling=GREEDY, spec=spec, chunk_steps=2)
+  spec = SpecConfig(strategy=SpecStrategy.parse("3_2_5"), threshold=8, patience=0)
+  kwargs = dict(sampling=GREEDY, spec=spec, drafter=DraftWeights(drafter), chunk_steps=2)
   batch = generate(params, config, prompts, max_new_tokens=caps, **kwargs)
   assert batch.stats["rollout/batch_buckets"][-1] < batch.stats["batch_bucket"]
   singles = [generate(params, config, [p], max_new_tokens=c, **kwargs).stats
@@ -106,9 +108,9 @@ def test_reduced_draft_vocabulary_stays_exact():
   prompts = _prompts(97, (6, 11, 4), seed=2)
   vocab_ids = jnp.arange(0, 97, 2, dtype=jnp.int32)   # odd tokens can never be drafted
   plain = generate(params, config, prompts, max_new_tokens=24, sampling=GREEDY)
-  spec = SpecConfig(drafter=drafter, strategy=SpecStrategy(3, 2, 6), vocab_ids=vocab_ids,
-                    threshold=4, patience=0)
-  sd = generate(params, config, prompts, max_new_tokens=24, sampling=GREEDY, spec=spec)
+  spec = SpecConfig(strategy=SpecStrategy(3, 2, 6), threshold=4, patience=0)
+  sd = generate(params, config, prompts, max_new_tokens=24, sampling=GREEDY, spec=spec,
+                drafter=DraftWeights(drafter, vocab_ids))
   assert [o.token_ids for o in plain.outputs] == [o.token_ids for o in sd.outputs]
 
 
@@ -117,19 +119,20 @@ def test_top_k_at_or_above_a_vocabulary_truncates_nothing():
   reduced vocabulary (49) it leaves the draft untruncated while the target keeps top 60."""
   config, params, drafter = _model(97, seed=4)
   prompts = _prompts(97, (6, 11, 4), seed=2)
-  run = lambda top_k, spec=None: [o.token_ids for o in generate(
-      params, config, prompts, max_new_tokens=12, seed=3, spec=spec,
+  run = lambda top_k, spec=None, weights=None: [o.token_ids for o in generate(
+      params, config, prompts, max_new_tokens=12, seed=3, spec=spec, drafter=weights,
       sampling=SamplingParams(temperature=1.0, top_k=top_k)).outputs]
   assert run(500) == run(0)
-  spec = SpecConfig(drafter=drafter, strategy=SpecStrategy(3, 2, 6), threshold=4, patience=0,
-                    vocab_ids=jnp.arange(0, 97, 2, dtype=jnp.int32))
-  assert all(len(tokens) == 12 for tokens in run(60, spec))
+  spec = SpecConfig(strategy=SpecStrategy(3, 2, 6), threshold=4, patience=0)
+  weights = DraftWeights(drafter, jnp.arange(0, 97, 2, dtype=jnp.int32))
+  assert all(len(tokens) == 12 for tokens in run(60, spec, weights))
 
 
 def test_programs_are_reused_after_warm_up():
   config, params, drafter = _model(8, seed=5)
-  spec = SpecConfig(drafter=drafter, strategy=SpecStrategy(3, 2, 5), threshold=8, patience=1)
-  kwargs = dict(max_new_tokens=30, sampling=GREEDY, eos_ids=(3,), spec=spec, chunk_steps=4)
+  spec = SpecConfig(strategy=SpecStrategy(3, 2, 5), threshold=8, patience=1)
+  kwargs = dict(max_new_tokens=30, sampling=GREEDY, eos_ids=(3,), spec=spec,
+                drafter=DraftWeights(drafter), chunk_steps=4)
   generate(params, config, _prompts(8, (5, 9, 3, 12, 7, 4, 6, 8, 10)), **kwargs)
   again = generate(params, config, _prompts(8, (4, 8, 6, 10, 7, 5, 3, 9, 11), seed=7), **kwargs)
   assert again.stats["compile/new_programs"] == 0
@@ -140,9 +143,9 @@ def test_programs_are_reused_after_warm_up():
 def test_switching_to_speculation_warns_nothing():
   """The drafter prefill drops the kept context by design; users see no warning for it."""
   config, params, drafter = _model(5, seed=7)   # a vocabulary no other test compiles for
-  spec = SpecConfig(drafter=drafter, strategy=SpecStrategy(2, 1, 3), threshold=4, patience=0)
+  spec = SpecConfig(strategy=SpecStrategy(2, 1, 3), threshold=4, patience=0)
   result = generate(params, config, _prompts(5, (4, 6)), max_new_tokens=6, sampling=GREEDY,
-                    spec=spec)
+                    spec=spec, drafter=DraftWeights(drafter))
   assert result.stats["compile/new_programs"] > 0 and result.stats["spec/verify_steps"] > 0
 
 
@@ -189,17 +192,17 @@ def test_drafter_prefill_at_the_switch_runs_only_the_live_context():
   last_tokens = np.asarray(state.last_tokens)
 
   start = lambda state, cache: speculative.start_speculation(
-      params, drafter, state, cache, config=config, strategies=(SpecStrategy.parse("2_1_3"),),
-      prefill_len=prefill_len)
+      DraftInputs(params, DraftWeights(drafter), None), state, cache, config=config,
+      strategies=(SpecStrategy.parse("2_1_3"),), prefill_len=prefill_len).draft
   jaxpr = jax.make_jaxpr(start)(state, init_drafter_cache(config, b, cache_len)).jaxpr
   dots = [eqn.outvars[0].aval.shape for eqn in _equations(jaxpr)
           if eqn.primitive.name == "dot_general"]
   assert dots and all(cache_len not in shape for shape in dots), dots
 
   got = start(state, init_drafter_cache(config, b, cache_len))
-  np.testing.assert_array_equal(got.draft_cache.lengths, lengths - 1)
+  np.testing.assert_array_equal(got.cache.lengths, lengths - 1)
   for row, length in enumerate(lengths):
-    for got_buf, want_buf in ((got.draft_cache.k, want.k), (got.draft_cache.v, want.v)):
+    for got_buf, want_buf in ((got.cache.k, want.k), (got.cache.v, want.v)):
       np.testing.assert_allclose(got_buf[0, row, :, :length - 1],
                                  want_buf[0, row, :, :length - 1], atol=1e-5)
   np.testing.assert_array_equal(got.pend_tokens[:, 0], last_tokens)
@@ -215,9 +218,9 @@ def homogeneity_p_value(a: collections.Counter, b: collections.Counter) -> float
   return chi2_contingency(table)[1]
 
 
-def _first_tokens(params, config, spec, seed, sampling, rows=256, n=3):
+def _first_tokens(params, config, spec, seed, sampling, rows=256, n=3, drafter=None):
   result = generate(params, config, [[1, 2, 3]] * rows, max_new_tokens=n, sampling=sampling,
-                    seed=seed, spec=spec)
+                    seed=seed, spec=spec, drafter=drafter)
   return [tuple(o.token_ids) for o in result.outputs]
 
 
@@ -226,13 +229,14 @@ def _first_tokens(params, config, spec, seed, sampling, rows=256, n=3):
 def test_sd_sampling_matches_plain_joint_distribution(sampling):
   """Chi-square homogeneity of the first 3 tokens' joint distribution, SD vs plain."""
   config, params, drafter = _model(6, seed=11)
-  spec = SpecConfig(drafter=drafter, strategy=SpecStrategy(2, 2, 4), threshold=256, patience=0)
+  spec = SpecConfig(strategy=SpecStrategy(2, 2, 4), threshold=256, patience=0)
   plain, sd = collections.Counter(), collections.Counter()
   # 12288 samples per side: drafts kept by their drawn values (a bias since fixed) failed
   # this at p < 2e-6 for both samplings, where 6144 samples passed one of them.
   for seed in range(48):
     plain.update(_first_tokens(params, config, None, seed, sampling))
-    sd.update(_first_tokens(params, config, spec, 1000 + seed, sampling))
+    sd.update(_first_tokens(params, config, spec, 1000 + seed, sampling,
+                            drafter=DraftWeights(drafter)))
   p_value = homogeneity_p_value(plain, sd)
   assert p_value >= 1e-3, p_value
 
@@ -244,9 +248,8 @@ def test_bad_strategy_strings_are_one_line_errors(text):
 
 
 def test_bad_sd_threshold():
-  config, _, drafter = _model(8)
   with pytest.raises(UserInputError, match="--sd_threshold"):
-    SpecConfig(drafter=drafter, strategy=SpecStrategy(2, 1, 3), threshold=0)
+    SpecConfig(strategy=SpecStrategy(2, 1, 3), threshold=0)
 
 
 def _draw_without_replacement(key, q, n, k):
@@ -363,12 +366,13 @@ def test_recursive_rejection_emits_p(temperature, top_p, q_kind, siblings):
 def test_sampled_chain_matches_plain_sampling():
   """A sampled chain (rejection rule) reproduces plain sampling's joint distribution."""
   config, params, drafter = _model(6, seed=13)
-  spec = SpecConfig(drafter=drafter, strategy=SpecStrategy(3, 1, 4), threshold=256, patience=0)
+  spec = SpecConfig(strategy=SpecStrategy(3, 1, 4), threshold=256, patience=0)
   sampling = SamplingParams(temperature=1.0)
   plain, sd = collections.Counter(), collections.Counter()
   for seed in range(24):
     plain.update(_first_tokens(params, config, None, seed, sampling, n=4))
-    sd.update(_first_tokens(params, config, spec, 1000 + seed, sampling, n=4))
+    sd.update(_first_tokens(params, config, spec, 1000 + seed, sampling, n=4,
+                            drafter=DraftWeights(drafter)))
   p_value = homogeneity_p_value(plain, sd)
   assert p_value >= 1e-3, p_value
 
@@ -377,8 +381,8 @@ def test_pallas_verify_attention_gives_the_same_tokens():
   """The engine with the Pallas tree-attention kernel (interpreted on CPU) is exact too."""
   config, params, drafter = _model(8, seed=21)
   prompts = _prompts(8, (5, 3))
-  spec = SpecConfig(drafter=drafter, strategy=SpecStrategy(2, 2, 4), threshold=2, patience=0)
-  kwargs = dict(max_new_tokens=6, sampling=GREEDY, spec=spec)
+  spec = SpecConfig(strategy=SpecStrategy(2, 2, 4), threshold=2, patience=0)
+  kwargs = dict(max_new_tokens=6, sampling=GREEDY, spec=spec, drafter=DraftWeights(drafter))
   ref = generate(params, config, prompts, attention_impl="reference", **kwargs)
   pallas = generate(params, config, prompts, attention_impl="pallas", **kwargs)
   assert [o.token_ids for o in ref.outputs] == [o.token_ids for o in pallas.outputs]
@@ -403,10 +407,9 @@ def test_sampled_sd_reports_the_policys_logprobs(sampling, strategy):
   from tests.test_model_free import _forward_logprobs
   config, params, drafter = _model(97)
   prompts = _prompts(97, (5, 9, 3, 12))
-  spec = SpecConfig(drafter=drafter, strategy=SpecStrategy.parse(strategy), threshold=8,
-                    patience=0)
+  spec = SpecConfig(strategy=SpecStrategy.parse(strategy), threshold=8, patience=0)
   sd = generate(params, config, prompts, max_new_tokens=24, sampling=sampling, seed=3,
-                spec=spec)
+                spec=spec, drafter=DraftWeights(drafter))
   assert sd.stats["spec/verify_steps"] > 0 and sd.stats["spec/accept_len"] > 1
   scored = _forward_logprobs(params, config, prompts, [o.token_ids for o in sd.outputs],
                              sampling.temperature)
@@ -418,12 +421,10 @@ BANDIT_POOL = parse_strategies("2_1_3,4_1_5,3_2_5")
 
 
 def test_spec_config_takes_one_strategy_source():
-  _, _, drafter = _model(8)
   with pytest.raises(UserInputError, match="exactly one"):
-    SpecConfig(drafter=drafter)
+    SpecConfig()
   with pytest.raises(UserInputError, match="exactly one"):
-    SpecConfig(drafter=drafter, strategy=BANDIT_POOL[0],
-               bandit=StrategyBandit(BanditConfig(BANDIT_POOL)))
+    SpecConfig(strategy=BANDIT_POOL[0], bandit=BanditConfig(BANDIT_POOL))
 
 
 def test_engine_switches_strategies_losslessly_within_its_programs():
@@ -434,10 +435,13 @@ def test_engine_switches_strategies_losslessly_within_its_programs():
   prompts = _prompts(97, (5, 9, 3, 12, 7, 4))
   eos = (96,)
   plain = generate(params, config, prompts, max_new_tokens=40, sampling=GREEDY, eos_ids=eos)
-  bandit = StrategyBandit(BanditConfig(BANDIT_POOL, epsilon=1.0, seed=1))
-  spec = SpecConfig(drafter=drafter, bandit=bandit, threshold=8, patience=0)
+  spec = SpecConfig(bandit=BanditConfig(BANDIT_POOL, epsilon=1.0, seed=1), threshold=8,
+                    patience=0)
+  # One memory for both rollouts: the bandit learns across them.
+  memory = SpecMemory(spec)
   run = lambda: generate(params, config, prompts, max_new_tokens=40, sampling=GREEDY,
-                         eos_ids=eos, spec=spec, chunk_steps=2)
+                         eos_ids=eos, spec=spec, drafter=DraftWeights(drafter),
+                         memory=memory, chunk_steps=2)
   sd = run()
   for a, b in zip(plain.outputs, sd.outputs):
     assert a.token_ids == b.token_ids
@@ -448,7 +452,8 @@ def test_engine_switches_strategies_losslessly_within_its_programs():
   assert again.stats["compile/new_programs"] == 0
   assert [o.token_ids for o in again.outputs] == [o.token_ids for o in sd.outputs]
   # Chunks that ran compiled programs were measured: the bandit holds rewards.
-  pulls = sum(arm["pulls"] for arms in bandit.summary().values() for arm in arms.values())
+  pulls = sum(arm["pulls"] for arms in memory.bandit.summary().values()
+              for arm in arms.values())
   assert pulls > 0 and all(arm["median_tokens_per_s_per_row"] > 0
                            for arms in again.stats["spec/bandit"].values()
                            for arm in arms.values())
@@ -456,7 +461,7 @@ def test_engine_switches_strategies_losslessly_within_its_programs():
 
 def test_rank_scores_fall_along_the_draw_order():
   """Children must stay a prefix of their draws, whatever the acceptance counts say."""
-  from tlt_jax.rollout.speculative import _rank_scores
+  from tlt_jax.rollout.learned_drafter import _rank_scores
   tries = jnp.array([[[10.0, 10.0, 10.0]], [[10.0, 10.0, 10.0]]])
   accepts = jnp.array([[[5.0, 2.0, 1.0]], [[1.0, 9.0, 9.0]]])   # row 2: rank 1 "better"
   scores = np.asarray(_rank_scores(tries, accepts))
@@ -466,22 +471,30 @@ def test_rank_scores_fall_along_the_draw_order():
                              rtol=1e-3)
 
 
+def _inputs(params, drafter, config, vocab_ids=None):
+  """What the learned drafter reads (`DraftInputs`): the target's params, the drafter's
+  weights and its draft head."""
+  from tlt_jax.models.drafter import draft_head
+  return DraftInputs(params, DraftWeights(drafter, vocab_ids),
+                     draft_head(params, config, vocab_ids))
+
+
 def _verify_depths(params, drafter, config, strategy, state):
   """Depths of the nodes each row's sampled tree verifies (at T=1): its shape, which under
-  sampling the row's rank statistics alone decide."""
-  from tlt_jax.models.drafter import draft_head
-  from tlt_jax.rollout import speculative
+  sampling the row's rank statistics alone decide. state: a `SpecState` of the learned
+  drafter."""
+  from tlt_jax.rollout import learned_drafter
+  learned = LearnedDrafter(config, "reference", None)
 
   @jax.jit
-  def depths(params, drafter, state):
-    _, tokens, parents, scores, ancestors, _ = speculative._grow_tree(
-        jax.random.key(1), params, drafter, draft_head(params, config, None), None, config,
-        strategy, SamplingParams(temperature=1.0), "reference", None,
-        *speculative._caught_up(params, drafter, config, "reference", None, state))
+  def depths(inputs, state):
+    _, tokens, parents, scores, ancestors, _ = learned_drafter._grow_tree(
+        jax.random.key(1), inputs, config, strategy, SamplingParams(temperature=1.0),
+        "reference", None, *learned.catch_up(inputs, state.draft))
     roots = jnp.zeros(tokens.shape[:1], jnp.int32)
-    return speculative._select_verify_set(strategy, tokens, parents, scores, ancestors,
-                                          roots)[1]
-  return np.asarray(depths(params, drafter, state))
+    return learned_drafter._select_verify_set(strategy, tokens, parents, scores, ancestors,
+                                              roots)[1]
+  return np.asarray(depths(_inputs(params, drafter, config), state))
 
 
 def _sampled_tree_depths(rate_first, rate_rest, strategy):
@@ -495,11 +508,12 @@ def _sampled_tree_depths(rate_first, rate_rest, strategy):
   accepts = tries * jnp.array([rate_first] + [rate_rest] * (strategy.topk - 1))
   cache = init_drafter_cache(config, b, 64).replace(lengths=jnp.full((b,), 4, jnp.int32))
   zeros = jnp.zeros((b,), jnp.int32)
-  state = speculative.SpecState(
-      base=None, draft_cache=cache, pend_tokens=jnp.ones((b, width), jnp.int32),
+  draft = LearnedState(
+      cache=cache, pend_tokens=jnp.ones((b, width), jnp.int32),
       pend_hidden=jax.random.normal(jax.random.key(0), (b, width, config.hidden_size)),
-      pend_count=zeros + 1, spec_steps=zeros, spec_tokens=zeros,
-      rank_tries={strategy.name: tries}, rank_accepts={strategy.name: accepts})
+      pend_count=zeros + 1, rank_tries={strategy.name: tries},
+      rank_accepts={strategy.name: accepts})
+  state = speculative.SpecState(base=None, draft=draft, spec_steps=zeros, spec_tokens=zeros)
   return _verify_depths(params, drafter, config, strategy, state)
 
 
@@ -513,7 +527,7 @@ def test_sampled_tree_shape_follows_the_rows_acceptance():
   np.testing.assert_array_equal(np.sort(wide, axis=1), [[0, 1, 1, 1, 2, 2, 2]] * 2)
 
 
-def _speculating(params, config, spec, prompts, max_new_tokens, sampling,
+def _speculating(params, drafter, config, spec, prompts, max_new_tokens, sampling,
                  buckets=BucketSpec(), seed=0):
   """The prompts prefilled and switched to speculation as the engine does, for tests that
   run `spec_chunk` themselves (params unstacked); also the static arguments it takes."""
@@ -529,7 +543,8 @@ def _speculating(params, config, spec, prompts, max_new_tokens, sampling,
                          jax.random.key(seed), buckets=buckets, keep_hidden=True, rules=None,
                          config=config, **static)
   prefill_len = engine.drafter_prefill_len(int(lengths.max()), plan, buckets)
-  state = engine.switch_to_speculation(params, config, spec, state, plan, prefill_len,
+  state = engine.switch_to_speculation(_inputs(params, drafter, config), config,
+                                       spec.strategies, state, plan, prefill_len,
                                        "reference", None)
   return state, static
 
@@ -539,23 +554,21 @@ def test_each_strategy_fits_its_tree_shape_to_its_own_draws():
   depths, accept at their own rates: one strategy's draws must leave the rank statistics
   that shape another's trees as they were. Under sampling a tree's node scores depend on
   those statistics alone, so they show which counts a strategy reads."""
-  from tlt_jax.models.drafter import draft_head
-  from tlt_jax.rollout import speculative
+  from tlt_jax.rollout import learned_drafter, speculative
   config, params, drafter = _model(50, seed=3)
   params = transformer.unstack_layers(params)
   chain, tree = parse_strategies("4_1_5,3_2_5")
-  spec = SpecConfig(drafter=drafter, bandit=StrategyBandit(BanditConfig((chain, tree))),
-                    draft_temperature_ratio=0.7)
-  state, static = _speculating(params, config, spec, _prompts(50, (5, 9, 3, 7)), 40,
+  spec = SpecConfig(bandit=BanditConfig((chain, tree)), draft_temperature_ratio=0.7)
+  state, static = _speculating(params, drafter, config, spec, _prompts(50, (5, 9, 3, 7)), 40,
                                SamplingParams(temperature=1.0))
-  head = draft_head(params, config, None)
-  tree_scores = lambda state, strategy: np.asarray(speculative._grow_tree(
-      jax.random.key(1), params, drafter, head, None, config, strategy, static["sampling"],
-      "reference", None,
-      *speculative._caught_up(params, drafter, config, "reference", None, state))[3])
+  inputs = _inputs(params, drafter, config)
+  learned = LearnedDrafter(config, "reference", None)
+  tree_scores = lambda state, strategy: np.asarray(learned_drafter._grow_tree(
+      jax.random.key(1), inputs, config, strategy, static["sampling"], "reference", None,
+      *learned.catch_up(inputs, state.draft))[3])
   play = lambda state, strategy: speculative.spec_chunk(
-      params, drafter, head, None, state, config=config, strategy=strategy, chunk_steps=4,
-      draft_temperature_ratio=spec.draft_temperature_ratio, **static)
+      params, inputs, state, drafter=spec.drafter(strategy, config, "reference", None),
+      config=config, strategy=strategy, chunk_steps=4, **static)
 
   prior = {s: tree_scores(state, s) for s in (chain, tree)}
   state = play(state, chain)
@@ -587,31 +600,31 @@ def test_long_adaptive_trees_keep_plain_sampling():
   every drafted position (Hotelling's T^2, which catches an acceptance test biased by 10%:
   p < 1e-6, where the per-position marginals still pass)."""
   from scipy.stats import chi2_contingency
-  from tlt_jax.models.drafter import draft_head
   from tlt_jax.rollout import speculative
   config, params, drafter = _model(6, seed=11)
   params = transformer.unstack_layers(params)
   strategy = SpecStrategy(4, 3, 7)
-  spec = SpecConfig(drafter=drafter, strategy=strategy)
+  spec = SpecConfig(strategy=strategy)
   sampling = SamplingParams(temperature=1.0)
   n, rows = 24, 8192
   # All rows in one batch; 32-slot cache pages keep the cache at 64 slots (128 doubled the
   # SD time).
   buckets = lambda rows: BucketSpec(batch_buckets=(rows,), cache_page=32)
   prompts = [[1, 2, 3]] * rows
-  state, static = _speculating(params, config, spec, prompts, n, sampling, buckets(rows))
+  state, static = _speculating(params, drafter, config, spec, prompts, n, sampling,
+                               buckets(rows))
   # A prior of one try per draw, far from the rows' real rates, so a few steps reshape it.
-  tries = jnp.ones_like(state.rank_tries[strategy.name])
-  state = state.replace(rank_tries={strategy.name: tries},
-                        rank_accepts={strategy.name: tries * jnp.array([0.99, 0.05, 0.05])})
+  tries = jnp.ones_like(state.draft.rank_tries[strategy.name])
+  state = state.replace(draft=state.draft.replace(
+      rank_tries={strategy.name: tries},
+      rank_accepts={strategy.name: tries * jnp.array([0.99, 0.05, 0.05])}))
   shape = lambda state: np.sort(_verify_depths(params, drafter, config, strategy, state), 1)
   prior_shape = shape(state)
-  head = draft_head(params, config, None)
+  inputs = _inputs(params, drafter, config)
   while not np.all(np.asarray(state.base.done)):
-    state = speculative.spec_chunk(params, drafter, head, None, state, config=config,
-                                   strategy=strategy, chunk_steps=8,
-                                   draft_temperature_ratio=spec.draft_temperature_ratio,
-                                   **static)
+    state = speculative.spec_chunk(
+        params, inputs, state, drafter=spec.drafter(strategy, config, "reference", None),
+        config=config, strategy=strategy, chunk_steps=8, **static)
   # Every row starts from the prior's tree; many end on another, fitted to their counts.
   assert len(np.unique(prior_shape, axis=0)) == 1
   assert np.mean(np.any(shape(state) != prior_shape, axis=1)) > 0.3

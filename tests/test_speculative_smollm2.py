@@ -15,9 +15,11 @@ from tlt_jax.models import transformer
 from tlt_jax.models.drafter import init_drafter_params
 from tlt_jax.models.kv_cache import init_cache
 from tlt_jax.models.loading import load_model
-from tlt_jax.rollout.engine import SpecConfig, generate
+from tlt_jax.rollout.engine import generate
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.spec_config import SpecConfig
 from tlt_jax.rollout.strategy import SpecStrategy
+from tlt_jax.rollout.weights import DraftWeights
 
 SHIPPED_DRAFTER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                "assets", "drafter_smollm2")
@@ -40,9 +42,9 @@ def test_smollm2_greedy_sd_is_token_identical(smollm2, strategy):
   kwargs = dict(max_new_tokens=24, sampling=SamplingParams(temperature=0.0), eos_ids=eos)
   plain = generate(model.params, model.config, prompts, **kwargs)
   # A reduced draft vocabulary, as deployed: drafting restricted, verification exact.
-  spec = SpecConfig(drafter=drafter, strategy=SpecStrategy.parse(strategy),
-                    vocab_ids=jnp.arange(4096, dtype=jnp.int32), threshold=4, patience=3)
-  sd = generate(model.params, model.config, prompts, spec=spec, **kwargs)
+  spec = SpecConfig(strategy=SpecStrategy.parse(strategy), threshold=4, patience=3)
+  sd = generate(model.params, model.config, prompts, spec=spec,
+                drafter=DraftWeights(drafter, jnp.arange(4096, dtype=jnp.int32)), **kwargs)
   assert [o.token_ids for o in plain.outputs] == [o.token_ids for o in sd.outputs]
   np.testing.assert_allclose(np.concatenate([o.logprobs for o in plain.outputs]),
                              np.concatenate([o.logprobs for o in sd.outputs]), atol=1e-4)
@@ -53,10 +55,10 @@ def test_smollm2_sampled_sd_logprobs_equal_a_plain_forward(smollm2):
   """Emitted log-probs are the target's log_softmax(logits / T) at each emitted token."""
   model, drafter, prompts = smollm2
   temperature = 0.8
-  spec = SpecConfig(drafter=drafter, strategy=SpecStrategy(3, 2, 5), threshold=4, patience=0)
+  spec = SpecConfig(strategy=SpecStrategy(3, 2, 5), threshold=4, patience=0)
   out = generate(model.params, model.config, prompts[:1], max_new_tokens=12, seed=5,
                  sampling=SamplingParams(temperature=temperature, top_p=0.95), spec=spec,
-                 eos_ids=()).outputs[0]
+                 drafter=DraftWeights(drafter), eos_ids=()).outputs[0]
   full = prompts[0] + out.token_ids
   tokens = jnp.asarray([full])
   hidden, _ = transformer.forward(model.params, model.config, tokens,
@@ -77,8 +79,8 @@ def test_shipped_drafter_is_trained_for_smollm2(smollm2):
   eos = tuple(model.tokenizer.eos_token_ids)
   kwargs = dict(max_new_tokens=48, sampling=SamplingParams(temperature=0.0), eos_ids=eos)
   plain = generate(model.params, model.config, prompts[:2], **kwargs)
-  spec = SpecConfig(drafter=drafter, strategy=SpecStrategy(4, 1, 5),
-                    vocab_ids=jnp.asarray(vocab_ids), threshold=2, patience=0)
-  sd = generate(model.params, model.config, prompts[:2], spec=spec, **kwargs)
+  spec = SpecConfig(strategy=SpecStrategy(4, 1, 5), threshold=2, patience=0)
+  sd = generate(model.params, model.config, prompts[:2], spec=spec,
+                drafter=DraftWeights(drafter, jnp.asarray(vocab_ids)), **kwargs)
   assert [o.token_ids for o in plain.outputs] == [o.token_ids for o in sd.outputs]
   assert sd.stats["spec/accept_len"] > 1.4, sd.stats["spec/accept_len"]

@@ -340,16 +340,6 @@ def load_drafter(drafter_dir: str, model_config: ModelConfig, dtype=jnp.float32
   return params, vocab_ids
 
 
-def speculation_config(drafter_dir: str, model_config: ModelConfig, dtype=jnp.float32,
-                       **spec_fields) -> "SpecConfig":
-  """The rollout's SD configuration around the drafter in `drafter_dir`; `spec_fields` are
-  SpecConfig's other fields (strategy or bandit, threshold, patience, ...)."""
-  from tlt_jax.rollout.engine import SpecConfig
-  drafter, vocab_ids = load_drafter(drafter_dir, model_config, dtype)
-  return SpecConfig(drafter=drafter, vocab_ids=None if vocab_ids is None else jnp.asarray(vocab_ids),
-                    **spec_fields)
-
-
 def restore_train_state(drafter_dir: str, template: TrainState) -> TrainState:
   """The TrainState saved by `save_drafter`, shaped like `template` (same model and
   optimizer), to resume training exactly."""

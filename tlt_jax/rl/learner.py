@@ -29,6 +29,8 @@ from tlt_jax.rl.update import (PolicyState, UpdateContext, compiled_programs, sc
                                update_policy)
 from tlt_jax.rollout import engine
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.spec_config import SpecMemory
+from tlt_jax.rollout.weights import DraftWeights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,11 +84,30 @@ class Learner:
 
   def __init__(self, *, config: ModelConfig, tokenizer: Tokenizer, state: PolicyState,
                ref_params: Params | None, stream, rollout: RolloutSettings,
-               step_config: StepConfig, update: UpdateContext, rewards: RewardPool):
+               step_config: StepConfig, update: UpdateContext, rewards: RewardPool,
+               drafter: DraftWeights | None = None):
     self.config, self.tokenizer = config, tokenizer
     self.state, self.ref_params, self.stream = state, ref_params, stream
     self.rollout, self.step_config, self.update = rollout, step_config, update
     self.rewards = rewards
+    # The learned drafter's weights (a rollout argument) and what SD learns across steps.
+    self.drafter = drafter
+    self.spec_memory = None if rollout.spec is None else SpecMemory(rollout.spec)
+    self.rollout_params = self.sync_weights(state.params)
+
+  def host_state(self) -> dict[str, Any]:
+    """What a checkpoint keeps besides the policy state: the prompt stream's position and
+    what SD has learned (JSON-serializable)."""
+    return {"stream": self.stream.state(),
+            "spec": None if self.spec_memory is None else self.spec_memory.state_dict()}
+
+  def restore(self, state: PolicyState, host_state: dict[str, Any]) -> None:
+    """Continues from a checkpoint: its policy state and `host_state`; the rollout gets the
+    restored policy."""
+    self.state = state
+    self.stream.restore(host_state["stream"])
+    if self.spec_memory is not None and host_state.get("spec") is not None:
+      self.spec_memory.load_state_dict(host_state["spec"])
     self.rollout_params = self.sync_weights(state.params)
 
   # ---- the step -------------------------------------------------------------------------
@@ -148,7 +169,8 @@ class Learner:
       items = self.stream.next_batch()
       t = time.perf_counter()
       rollouts = sample_groups(self.rollout_params, self.config, [i.prompt_ids for i in items],
-                               self.rollout, seed=self.step_seed(step, f"rollout{len(draws)}"))
+                               self.rollout, seed=self.step_seed(step, f"rollout{len(draws)}"),
+                               drafter=self.drafter, memory=self.spec_memory)
       rollout_s += time.perf_counter() - t
       if not draws:
         record.update(rollout_stats(rollouts.stats))
@@ -205,7 +227,8 @@ class Learner:
     data source (`val/accuracy/<source>`)."""
     settings = dataclasses.replace(self.rollout, group_size=1, sampling=SamplingParams(0.0))
     rollouts = sample_groups(self.rollout_params, self.config,
-                             [i.prompt_ids for i in val_items], settings, seed=step)
+                             [i.prompt_ids for i in val_items], settings, seed=step,
+                             drafter=self.drafter, memory=self.spec_memory)
     scored = self.score(rollouts, val_items, group_size=1)
     metrics = {"val/reward": float(scored.rewards.mean()),
                "val/accuracy": float(scored.accuracy.mean()),

@@ -14,8 +14,9 @@ import numpy as np
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.transformer import Params
 from tlt_jax.rollout.buckets import BucketSpec
-from tlt_jax.rollout.engine import SpecConfig, generate
-from tlt_jax.rollout.weights import place_rollout
+from tlt_jax.rollout.engine import generate
+from tlt_jax.rollout.spec_config import SpecConfig, SpecMemory
+from tlt_jax.rollout.weights import DraftWeights, place_rollout
 from tlt_jax.rollout.precompile import precompile
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.sharding.rules import MeshRules
@@ -82,12 +83,16 @@ def lay_out_for_rollout(params: Params, config: ModelConfig, settings: RolloutSe
 
 
 def sample_groups(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int]],
-                  settings: RolloutSettings, seed: int) -> GroupRollouts:
+                  settings: RolloutSettings, seed: int, drafter: DraftWeights | None = None,
+                  memory: SpecMemory | None = None) -> GroupRollouts:
+  """Each prompt sampled `group_size` times; drafter and memory: the learned drafter's
+  weights and what SD learned in earlier steps (see `engine.generate`)."""
   rows = [list(p) for p in prompts for _ in range(settings.group_size)]
   result = generate(params, config, rows, max_new_tokens=settings.max_new_tokens,
                     sampling=settings.sampling, eos_ids=settings.eos_ids, seed=seed,
                     buckets=settings.buckets, chunk_steps=settings.chunk_steps,
-                    spec=settings.spec, attention_impl=settings.attention_impl,
+                    spec=settings.spec, drafter=drafter, memory=memory,
+                    attention_impl=settings.attention_impl,
                     min_row_tokens=settings.min_row_tokens, rules=settings.rules)
   return GroupRollouts(
       prompts=rows,
@@ -99,7 +104,8 @@ def sample_groups(params: Params, config: ModelConfig, prompts: Sequence[Sequenc
 
 
 def precompile_rollouts(params: Params, config: ModelConfig, num_prompts: int,
-                        max_prompt_len: int, settings: RolloutSettings) -> int:
+                        max_prompt_len: int, settings: RolloutSettings,
+                        drafter: DraftWeights | None = None) -> int:
   """Compiles every program a rollout of `num_prompts` prompts (of up to `max_prompt_len`
   tokens, each sampled `group_size` times) can dispatch, before the first step; returns how
   many were new."""
@@ -107,5 +113,6 @@ def precompile_rollouts(params: Params, config: ModelConfig, num_prompts: int,
   return precompile(params, config, rows, max_new_tokens=settings.max_new_tokens,
                     sampling=settings.sampling, eos_ids=settings.eos_ids,
                     buckets=settings.buckets, chunk_steps=settings.chunk_steps,
-                    spec=settings.spec, attention_impl=settings.attention_impl,
+                    spec=settings.spec, drafter=drafter,
+                    attention_impl=settings.attention_impl,
                     min_row_tokens=settings.min_row_tokens, rules=settings.rules)

@@ -8,8 +8,9 @@ pool of strategies, lets the BEG-MAB bandit pick each SD chunk's strategy and sc
 the chunk's tokens per second. Drafts come from a learned drafter or, model-free, from
 each row's group text (`ngram.py`: its own, its siblings', the caller's `draft_context`).
 Every program is keyed by (batch bucket, cache length, strategy; model-free also the draft
-context's bucketed sizes): the set is finite, `compiled_programs()` reports how many
-exist, and `precompile` (precompile.py) builds a rollout's whole set before it starts.
+context's bucketed sizes): the set is finite, `Rollout.programs` lists it (the same
+`Rollout` methods dispatch every program, for `generate` and for `precompile`, which
+builds the whole list before a rollout starts), and `compiled_programs()` counts them.
 """
 from __future__ import annotations
 
@@ -28,119 +29,18 @@ import numpy as np
 from tlt_jax.compiles import CompileCounter
 from tlt_jax.errors import UserInputError
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.drafter import DrafterParams, init_drafter_cache
+from tlt_jax.models.drafter import init_drafter_cache
 from tlt_jax.models.kv_cache import KVCache, init_cache
 from tlt_jax.models.transformer import Params
 from tlt_jax.pallas.tree_attention import IMPLS, resolve_impl
 from tlt_jax.rollout import decode, hybrid as hybrid_lib, ngram, speculative
-from tlt_jax.rollout.bandit import StrategyBandit
 from tlt_jax.rollout.buckets import BucketSpec
+from tlt_jax.rollout.drafting import DraftInputs
 from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.strategy import DRAFTER_KINDS, SpecStrategy
+from tlt_jax.rollout.spec_config import SpecConfig, SpecMemory
+from tlt_jax.rollout.strategy import SpecStrategy
 from tlt_jax.rollout.weights import DraftWeights, place_rollout, rollout_draft_head
 from tlt_jax.sharding.rules import MeshRules, spans_devices
-
-
-MAX_SD_THRESHOLD = 256   # the largest batch bucket: SD above it never pays
-DEFAULT_DRAFT_TEMPERATURE_RATIO = 0.7
-
-
-@dataclasses.dataclass(frozen=True)
-class SpecConfig:
-  """Speculative decoding for the tail: on below `threshold` live rows for `patience` steps.
-
-  Drafts from a learned `drafter`, model-free (`ngram_config`: chains or trees from the
-  rows' group text), or, with `hybrid`, from both: each row picks one per verify step
-  (`hybrid.py`).
-  Either one fixed `strategy`, or a `bandit` that picks among its strategies per chunk by
-  live batch size (and learns across the rollouts that share it). A strategy may name its
-  drafter kind (`ngram:4_1_5`), so a pool can mix kinds; unnamed ones use `kind_of`'s
-  default. The sources given must be the ones the strategies use."""
-  drafter: DrafterParams | None = None
-  strategy: SpecStrategy | None = None
-  vocab_ids: jax.Array | None = None   # reduced draft vocabulary (sorted target ids)
-  threshold: int = 32
-  patience: int = 10
-  bandit: StrategyBandit | None = None
-  # Sampled trees draw at this times the sampling temperature (exact at any ratio). A
-  # sharper q than the drafter's own puts more of a node's draws on the tokens the target
-  # favours: SmolLM2 at T=1, 48 prompts, 8_8_32: accept 2.34 at ratio 1.25, 2.59 at 1, 2.66
-  # at 0.8, 2.69 at 0.7, 2.55 at 0.6; 8_4_16: 2.36 at 1, 2.47 at 0.7. A chain's one draft
-  # does not gain (4_1_5: 1.97 at 1, 1.91 at 0.7), so chains keep the sampling temperature.
-  draft_temperature_ratio: float = DEFAULT_DRAFT_TEMPERATURE_RATIO
-  ngram_config: ngram.NgramConfig | None = None
-  hybrid: hybrid_lib.HybridConfig | None = None   # needs drafter and ngram_config
-  # Carries the hybrid's batch counts from one rollout to the next (those that share it);
-  # None: every rollout's pick starts afresh.
-  pick_memory: hybrid_lib.PickMemory | None = None
-
-  def __post_init__(self):
-    if (self.strategy is None) == (self.bandit is None):
-      raise UserInputError("SpecConfig: give exactly one of strategy and bandit")
-    if self.hybrid is not None and (self.drafter is None or self.ngram_config is None):
-      raise UserInputError("SpecConfig: hybrid drafting needs both drafter and ngram_config")
-    if self.pick_memory is not None and self.hybrid is None:
-      raise UserInputError("SpecConfig: pick_memory carries the hybrid's pick: needs hybrid")
-    for s in self.strategies:
-      kind = self.kind_of(s)
-      if kind != "ngram" and self.drafter is None:
-        raise UserInputError(f"--strategy={s.name}: needs a learned drafter (--drafter=DIR)")
-      if kind != "learned" and self.ngram_config is None:
-        raise UserInputError(f"--strategy={s.name}: needs model-free drafting "
-                             "(--drafter=ngram or --hybrid)")
-      if kind == "hybrid" and self.hybrid is None:
-        raise UserInputError(f"--strategy={s.name}: needs --hybrid")
-      if kind == "hybrid" and self.hybrid.merge and s.depth < 2:
-        raise UserInputError(f"--strategy={s.name}: a merged hybrid tree splits the depth "
-                             "between its two chains: needs depth >= 2")
-      if kind == "hybrid" and s.topk > 1:
-        # Its two drafts share one verify shape, so its learned drafts are chains too.
-        raise UserInputError(f"--strategy={s.name}: hybrid drafting verifies chains "
-                             "(DEPTH_1_DEPTH+1)")
-    kinds = {self.kind_of(s) for s in self.strategies}
-    if ((self.drafter is not None and kinds == {"ngram"})
-        or (self.ngram_config is not None and kinds == {"learned"})):
-      raise UserInputError("SpecConfig: give exactly one of drafter and ngram_config, or "
-                           "strategies that use both")
-    self.validate_schedule(self.threshold, self.patience)
-    if not 0 < self.draft_temperature_ratio <= 4:
-      raise UserInputError(f"--draft_temperature_ratio={self.draft_temperature_ratio}: must "
-                           "be in (0, 4]")
-
-  def kind_of(self, strategy: SpecStrategy) -> str:
-    """The drafter kind of a strategy: its own, else hybrid with `hybrid`, else the one
-    source given (learned when both are)."""
-    if strategy.drafter is not None:
-      return strategy.drafter
-    if self.hybrid is not None:
-      return "hybrid"
-    return "learned" if self.drafter is not None else "ngram"
-
-  @property
-  def kind(self) -> str:
-    """The drafter kinds of the strategies, as stats name them ("learned+ngram": a pool)."""
-    kinds = {self.kind_of(s) for s in self.strategies}
-    return "+".join(k for k in DRAFTER_KINDS if k in kinds)
-
-  @property
-  def row_counts(self) -> hybrid_lib.HybridConfig | None:
-    """With both sources, each row counts its steps and tokens by drafter kind (a hybrid
-    step's pick reads them, and the stats split by them): by `hybrid`'s settings."""
-    if self.drafter is None or self.ngram_config is None:
-      return None
-    return self.hybrid or hybrid_lib.HybridConfig()
-
-  @property
-  def strategies(self) -> tuple[SpecStrategy, ...]:
-    """Every strategy a rollout may run: its programs and cache margin cover them all."""
-    return self.bandit.strategies if self.bandit is not None else (self.strategy,)
-
-  @staticmethod
-  def validate_schedule(threshold: int, patience: int) -> None:
-    if not 1 <= threshold <= MAX_SD_THRESHOLD:
-      raise UserInputError(f"--sd_threshold={threshold}: must be in [1, {MAX_SD_THRESHOLD}]")
-    if patience < 0:
-      raise UserInputError(f"--sd_patience={patience}: must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,7 +127,8 @@ class _Harvest:
     out_tokens, out_logprobs = np.asarray(base.out_tokens), np.asarray(base.out_logprobs)
     if speculating:
       spec_steps, spec_tokens = np.asarray(state.spec_steps), np.asarray(state.spec_tokens)
-    hybrid = state.hybrid if speculating else None
+    hybrid = (state.draft.stats if speculating
+              and isinstance(state.draft, hybrid_lib.HybridState) else None)
     if hybrid is not None:
       kind_steps, kind_tokens = np.asarray(hybrid.steps), np.asarray(hybrid.tokens)
     for row in np.flatnonzero(which):
@@ -245,8 +146,9 @@ class _Harvest:
     With both sources the steps split by what drafted them, the learned drafter or the
     model-free chain (a hybrid step under its row's pick); one source drafts them all."""
     ratio = lambda a, b: float(a / b) if b else 0.0
-    if spec.row_counts is None:
-      return {spec.kind: ratio(self.spec_tokens.sum(), self.spec_steps.sum())}, {spec.kind: 1.0}
+    if not (spec.learned and spec.model_free):
+      return ({spec.kinds: ratio(self.spec_tokens.sum(), self.spec_steps.sum())},
+              {spec.kinds: 1.0})
     steps, tokens = self.kind_steps.sum(0), self.kind_tokens.sum(0)
     return ({k: ratio(t, n) for k, n, t in zip(hybrid_lib.KINDS, steps, tokens)},
             {k: ratio(n, steps.sum()) for k, n in zip(hybrid_lib.KINDS, steps)})
@@ -402,22 +304,22 @@ def chunk_window(longest_live: int, chunk_steps: int, spec: SpecConfig | None,
   return None if window == plan.cache_len else window
 
 
-def switch_to_speculation(params: Params, config: ModelConfig, spec: SpecConfig,
-                          state: decode.DecodeState, plan: RolloutPlan, prefill_len: int,
-                          attention_impl: str, rules: MeshRules | None
-                          ) -> speculative.SpecState:
+def switch_to_speculation(inputs: DraftInputs, config: ModelConfig,
+                          strategies: tuple[SpecStrategy, ...], state: decode.DecodeState,
+                          plan: RolloutPlan, prefill_len: int, attention_impl: str,
+                          rules: MeshRules | None) -> speculative.SpecState:
   """A fresh drafter cache, prefilled over every live row's context (`state` is donated);
   prefill_len: `drafter_prefill_len`."""
   draft_cache = init_drafter_cache(config, state.done.shape[0], plan.cache_len,
-                                   params["embed"].dtype, rules,
-                                   per_layer=isinstance(spec.drafter["layers"], tuple))
+                                   inputs.params["embed"].dtype, rules,
+                                   per_layer=isinstance(inputs.weights.params["layers"], tuple))
   with warnings.catch_warnings():
     # The kept tokens and hidden states are donated with the state and dropped by design
     # (speculation runs without them), so no output can reuse them: JAX's warning about
     # that is expected here. Donating them apart instead crashed XLA's CPU compiler.
     warnings.filterwarnings("ignore", "Some donated buffers were not usable", UserWarning)
     return speculative.start_speculation(
-        params, spec.drafter, state, draft_cache, config=config, strategies=spec.strategies,
+        inputs, state, draft_cache, config=config, strategies=strategies,
         prefill_len=prefill_len, attention_impl=attention_impl, rules=rules)
 
 
@@ -441,7 +343,7 @@ def draft_groups(prompts: Sequence[Sequence[int]], group_ids: Sequence[int] | No
                          f"{len(group_ids)} items")
   if draft_context is None:
     return list(group_ids), [[] for _ in prompts]
-  if spec is None or spec.ngram_config is None:
+  if spec is None or not spec.model_free:
     raise UserInputError("draft_context: needs model-free drafting (--drafter=ngram, or "
                          "--hybrid)")
   is_tokens = lambda t: isinstance(t, (list, tuple, np.ndarray)) and all(
@@ -469,173 +371,332 @@ def draft_pool(texts: Sequence[Sequence[int]], groups: Sequence[int],
                              row_ids, length)
 
 
-def place_spec(params, config, spec, rules):
-  drafter = None if spec is None or spec.drafter is None else DraftWeights(spec.drafter, spec.vocab_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """One program a rollout can dispatch (`Rollout.programs`): what `precompile` builds and
+  `generate` runs. size: a prefill's padded prompt width, a switch's drafter prefill
+  length, a compaction's target batch."""
+  kind: str           # "prefill", "compact", "decode", "switch", "spec_compact", "spec"
+  batch: int
+  window: int | None = None
+  strategy: SpecStrategy | None = None
+  size: int = 0
+
+
+@dataclasses.dataclass
+class Rollout:
+  """One rollout's fixed parts (placed weights, plan, settings), and the one place each of
+  its programs is dispatched from: `generate` and `precompile` both run these methods, and
+  `programs` lists every program they can dispatch."""
+  params: Params
+  config: ModelConfig
+  plan: RolloutPlan
+  spec: SpecConfig | None
+  drafter: DraftWeights | None
+  sampling: SamplingParams
+  buckets: BucketSpec
+  chunk_steps: int
+  attention_impl: str
+  rules: MeshRules | None
+  compact: bool
+  dispatched: set = dataclasses.field(default_factory=set)
+
+  @property
+  def static(self) -> dict:
+    return dict(config=self.config, sampling=self.sampling, eos_ids=self.plan.eos_ids,
+                max_new_tokens=self.plan.max_new_tokens, attention_impl=self.attention_impl)
+
+  @functools.cached_property
+  def inputs(self) -> DraftInputs:
+    """What the drafter reads; the draft head is made once the learned drafter runs."""
+    head = None if self.drafter is None else rollout_draft_head(
+        self.params, self.config, self.drafter.vocab_ids)
+    return DraftInputs(self.params, self.drafter, head)
+
+  @property
+  def windowed(self) -> bool:
+    return windowed_attention(self.attention_impl, self.rules)
+
+  def prefill(self, tokens, lengths, live, caps, key):
+    """Every prompt prefilled into a fresh cache (`prefill`), its first token emitted."""
+    for _, width, _, _ in prefill_groups(tokens, lengths, self.buckets):
+      self.dispatched.add(Program("prefill", self.plan.batch, size=width))
+    cache = init_cache(self.config, self.plan.batch, self.plan.cache_len,
+                       self.params["embed"].dtype, self.rules, per_layer=True)
+    return prefill(self.params, tokens, lengths, live, caps, cache, key,
+                   buckets=self.buckets, keep_hidden=self.spec is not None and self.spec.learned,
+                   rules=self.rules, **self.static)
+
+  def decode(self, state, window: int | None):
+    self.dispatched.add(Program("decode", state.done.shape[0], window))
+    return decode.decode_chunk(self.params, state, chunk_steps=self.chunk_steps,
+                               window=window, rules=self.rules, **self.static)
+
+  def take(self, state, rows: np.ndarray):
+    kind = "spec_compact" if isinstance(state, speculative.SpecState) else "compact"
+    self.dispatched.add(Program(kind, _base(state).done.shape[0], size=len(rows)))
+    return take_rows(state, jnp.asarray(rows, jnp.int32), self.rules)
+
+  def switch(self, state, prefill_len: int, pool, picks: hybrid_lib.PickMemory | None):
+    """Speculation from a decode state: the drafter prefilled over each row's context
+    (learned), the model-free pool (model-free), or both."""
+    batch = state.done.shape[0]
+    self.dispatched.add(Program("switch", batch, size=prefill_len if self.spec.learned else 0))
+    if not self.spec.learned:
+      return speculative.start_model_free(state, pool, self.rules)
+    state = switch_to_speculation(self.inputs, self.config, self.spec.strategies, state,
+                                  self.plan, prefill_len, self.attention_impl, self.rules)
+    if self.spec.model_free:
+      state = speculative.add_model_free(state, pool, picks, self.rules)
+    return state
+
+  def speculate(self, state, strategy: SpecStrategy, window: int | None):
+    self.dispatched.add(Program("spec", state.base.done.shape[0], window, strategy))
+    drafter = self.spec.drafter(strategy, self.config, self.attention_impl, self.rules)
+    return speculative.spec_chunk(self.params, self.inputs, state, drafter=drafter,
+                                  strategy=strategy, chunk_steps=self.chunk_steps,
+                                  window=window, rules=self.rules, **self.static)
+
+  def programs(self) -> list[Program]:
+    """Every program this rollout can dispatch, in an order `precompile` can build them:
+    the prefill at any group's padding, compaction to any smaller batch bucket, decode
+    chunks at every batch and attention window; with SD, in the batches up to the
+    threshold's, the switch at every drafter prefill length, and every strategy's chunk."""
+    plan, buckets, spec = self.plan, self.buckets, self.spec
+    batches = [b for b in buckets.batch_buckets if b <= plan.batch] if self.compact else [
+        plan.batch]
+    out = [Program("prefill", plan.batch, size=w)
+           for w in buckets.prompt_lengths(plan.prompt_len)]
+    pairs = lambda kind, sizes: [Program(kind, b, size=s) for b in sorted(sizes, reverse=True)
+                                 for s in sizes if s < b]
+    out += pairs("compact", batches)
+    out += [Program("decode", b, w) for b in batches for w in self.windows(None)]
+    if spec is None:
+      return out
+    spec_batches = [b for b in batches if not self.compact
+                    or b <= buckets.batch_bucket(min(spec.threshold, plan.batch))]
+    lengths = buckets.attention_windows(1, plan.cache_len) if spec.learned else [0]
+    out += [Program("switch", b, size=n) for b in spec_batches for n in lengths]
+    out += pairs("spec_compact", spec_batches)
+    return out + [Program("spec", b, w, s) for b in spec_batches for w in self.windows(spec)
+                  for s in spec.strategies]
+
+  def windows(self, spec: SpecConfig | None) -> list[int | None]:
+    """Every attention window a chunk (speculative with `spec`) can take."""
+    if not self.windowed:
+      return [None]
+    return [None if w == self.plan.cache_len else w for w in self.buckets.attention_windows(
+        chunk_reach(1, self.chunk_steps, spec), self.plan.cache_len)]
+
+
+def prepare_rollout(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int]], *,
+                    max_new_tokens: int | Sequence[int], spec: SpecConfig | None,
+                    drafter: DraftWeights | None, eos_ids: Sequence[int],
+                    group_ids: Sequence[int] | None,
+                    draft_context: Sequence[Sequence[int]] | None, rules: MeshRules | None,
+                    attention_impl: str, buckets: BucketSpec, min_row_tokens: int,
+                    **settings) -> tuple[Rollout, list[int], list[list[int]]]:
+  """Checks a rollout's arguments, places its weights and plans it: the `Rollout`, and the
+  model-free drafter's groups and extra draft text (`draft_groups`)."""
+  check_attention_impl(attention_impl)
+  if spec is not None:
+    spec.check_weights(drafter)
+  elif drafter is not None:
+    raise UserInputError("drafter weights given without a SpecConfig (speculation is off)")
+  plan = plan_rollout(prompts, max_new_tokens, config, buckets, spec, eos_ids, min_row_tokens)
+  groups, extras = draft_groups(prompts, group_ids, draft_context, spec, config.vocab_size)
   params, drafter = place_rollout(params, config, drafter, rules)
-  if drafter is None:
-    return params, spec
-  return params, dataclasses.replace(spec, drafter=drafter.params, vocab_ids=drafter.vocab_ids)
+  return Rollout(params, config, plan, spec, drafter, buckets=buckets, rules=rules,
+                 attention_impl=attention_impl, **settings), groups, extras
+
+
+class _Loop:
+  """The host side of one `generate` call between chunks: what rows are live, when to
+  compact and switch SD on, which strategy plays, and the outputs and stats so far."""
+
+  def __init__(self, rollout: Rollout, prompts, groups, extras, row_ids: np.ndarray,
+               memory: SpecMemory | None):
+    self.rollout, self.prompts, self.groups, self.extras = rollout, prompts, groups, extras
+    self.row_ids, self.memory = row_ids, memory
+    self.harvest = _Harvest(len(prompts))
+    self.start = time.perf_counter()
+    self.trace, self.context_trace, self.buckets_used = [], [], [rollout.plan.batch]
+    self.spec_on_at, self.steps_below, self.chunk_start, self.plain_chunks = None, 0, 0, 0
+    self.strategy_chunks, self.played, self.context_sizes = collections.Counter(), None, None
+
+  def observe(self, state) -> tuple[int, int]:
+    """A chunk boundary: the live rows and the longest live row's length; traces them and
+    scores the SD chunk that just ended for the bandit."""
+    base = _base(state)
+    done = np.asarray(base.done)
+    live_rows = int((~done).sum())
+    longest_live = int(np.asarray(base.cache.lengths)[~done].max(initial=0))
+    self.generated = int(np.asarray(base.num_generated).sum())
+    self.emitted = self.generated - self.chunk_start     # by the last chunk
+    now = time.perf_counter()
+    self.trace.append((round(now - self.start, 4), live_rows))
+    self.context_trace.append((round(now - self.start, 4), longest_live, self.emitted,
+                               isinstance(state, speculative.SpecState)))
+    if self.played is not None:
+      played_rows, strategy, began, programs = self.played
+      # A chunk that compiled a program measured the compiler, not the strategy.
+      if compiled_programs() == programs and now > began:
+        self.memory.bandit.record(played_rows, strategy, self.emitted / (now - began))
+      self.played = None
+    return live_rows, longest_live
+
+  def compact(self, state, live_rows: int):
+    """The live rows gathered into the smallest batch bucket that holds them."""
+    rollout = self.rollout
+    done = np.asarray(_base(state).done)
+    if not rollout.compact or rollout.buckets.batch_bucket(live_rows) >= done.shape[0]:
+      return state
+    self.harvest.take(state, self.row_ids, done)
+    keep = np.flatnonzero(~done)
+    filler = np.flatnonzero(done)[0]            # a finished row: stays finished
+    rows = np.concatenate([keep, np.full(rollout.buckets.batch_bucket(live_rows) - len(keep),
+                                         filler)])
+    state = rollout.take(state, rows)
+    self.row_ids = np.where(np.arange(len(rows)) < len(keep), self.row_ids[rows], -1)
+    self.buckets_used.append(len(rows))
+    self.generated = int(np.asarray(_base(state).num_generated).sum())
+    return state
+
+  def maybe_switch(self, state, live_rows: int, longest_live: int):
+    """Speculation on once at most `threshold` rows have stayed live for `patience` steps."""
+    spec, rollout = self.rollout.spec, self.rollout
+    if spec is None or self.spec_on_at is not None:
+      return state
+    self.steps_below = self.steps_below + self.emitted // live_rows if (
+        live_rows <= spec.threshold) else 0
+    if live_rows > spec.threshold or self.steps_below < spec.patience:
+      return state
+    self.spec_on_at = time.perf_counter() - self.start
+    pool = None
+    if spec.model_free:
+      texts = [list(p) + out for p, out in
+               zip(self.prompts, self.harvest.so_far(state, self.row_ids))]
+      pool = draft_pool(texts, self.groups, self.extras, self.row_ids, rollout.plan)
+      self.context_sizes = pool.sizes
+    prefill_len = drafter_prefill_len(longest_live, rollout.plan, rollout.buckets)
+    return rollout.switch(state, prefill_len if spec.learned else 0, pool, self.memory.picks)
+
+  def chunk(self, state, live_rows: int, longest_live: int):
+    """One chunk: speculative once SD is on (the bandit's strategy), else plain decoding."""
+    rollout, spec = self.rollout, self.rollout.spec
+    self.chunk_start = self.generated
+    if not isinstance(state, speculative.SpecState):
+      self.plain_chunks += 1
+      return rollout.decode(state, chunk_window(longest_live, rollout.chunk_steps, None,
+                                                rollout.plan, rollout.buckets, rollout.windowed))
+    bandit = self.memory.bandit
+    strategy = spec.strategy if bandit is None else bandit.choose(live_rows)
+    if bandit is not None:
+      # The timer starts once compaction and the drafter prefill are done, so a reward
+      # measures only the chunk it is given to.
+      jax.block_until_ready(state)
+      self.played = (live_rows, strategy, time.perf_counter(), compiled_programs())
+    self.strategy_chunks[strategy.name] += 1
+    return rollout.speculate(state, strategy, chunk_window(
+        longest_live, rollout.chunk_steps, spec, rollout.plan, rollout.buckets,
+        rollout.windowed))
+
+  def finish(self, state) -> None:
+    """The last rows harvested; the hybrid's batch counts kept for the next rollout."""
+    self.harvest.take(state, self.row_ids, np.ones(self.row_ids.shape, bool))
+    if (self.memory is not None and self.memory.picks is not None
+        and self.spec_on_at is not None):
+      self.memory.picks.keep(state.draft.stats)
+    self.total_s = time.perf_counter() - self.start
 
 
 def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int]], *,
              max_new_tokens: int | Sequence[int], sampling: SamplingParams = SamplingParams(),
              eos_ids: Sequence[int] = (), seed: int = 0, buckets: BucketSpec = BucketSpec(),
              chunk_steps: int = 16, rules: MeshRules | None = None,
-             spec: SpecConfig | None = None, compact: bool = True,
+             spec: SpecConfig | None = None, drafter: DraftWeights | None = None,
+             memory: SpecMemory | None = None, compact: bool = True,
              attention_impl: str = "auto", min_row_tokens: int = 0,
              group_ids: Sequence[int] | None = None,
              draft_context: Sequence[Sequence[int]] | None = None) -> GenerationResult:
   """Generates up to `max_new_tokens` tokens for each prompt (lists of token ids); a
   sequence gives each prompt its own cap.
 
-  Model-free drafting (`spec.ngram_config`) reads each row's group: the rows of equal
+  spec: speculative decoding for the tail; drafter: the learned drafter's weights, when a
+  strategy drafts with it; memory: what SD learned in earlier rollouts (the caller keeps
+  it; None: learn afresh). Model-free drafting reads each row's group: the rows of equal
   group_ids (default: of equal prompts), their text so far and the extra token list
   draft_context[i] of each of its prompts (say an earlier epoch's response to it).
-
   attention_impl: "auto" (Pallas kernel on GPU, jnp elsewhere), "reference", "pallas"
-  (interpreted off-GPU: slow, for checking) or "triton".
-  rules: the rollout replica's mesh and sharding rules (`place_rollout`); None runs on the
-  default device.
+  (interpreted off-GPU: slow, for checking) or "triton". rules: the rollout replica's mesh
+  and sharding rules (`weights.place_rollout`); None runs on the default device.
   """
-  check_attention_impl(attention_impl)
-  plan = plan_rollout(prompts, max_new_tokens, config, buckets, spec, eos_ids, min_row_tokens)
-  groups, extras = draft_groups(prompts, group_ids, draft_context, spec, config.vocab_size)
-  params, spec = place_spec(params, config, spec, rules)
-  batch, prompt_len, cache_len = plan.batch, plan.prompt_len, plan.cache_len
-  tokens, lengths, live, order = sorted_rows(prompts, batch, prompt_len)
-  row_caps = np.ones((batch,), np.int32)
-  row_caps[:len(prompts)] = plan.caps
-  row_caps = row_caps[order]
-  static = dict(config=config, sampling=sampling, eos_ids=plan.eos_ids,
-                max_new_tokens=plan.max_new_tokens, attention_impl=attention_impl)
-  dtype = params["embed"].dtype
+  rollout, groups, extras = prepare_rollout(
+      params, config, prompts, max_new_tokens=max_new_tokens, spec=spec, drafter=drafter,
+      eos_ids=eos_ids, group_ids=group_ids, draft_context=draft_context, rules=rules,
+      attention_impl=attention_impl, buckets=buckets, min_row_tokens=min_row_tokens,
+      sampling=sampling, chunk_steps=chunk_steps, compact=compact)
+  plan = rollout.plan
+  tokens, lengths, live, order = sorted_rows(prompts, plan.batch, plan.prompt_len)
+  caps = np.ones((plan.batch,), np.int32)
+  caps[:len(prompts)] = plan.caps
+  memory = memory or (SpecMemory(spec) if spec is not None else None)
   programs_before = compiled_programs()
+  loop = _Loop(rollout, prompts, groups, extras, np.where(live, order, -1), memory)
+  state = rollout.prefill(tokens, lengths, live, caps[order], jax.random.key(seed))
+  while (view := loop.observe(state))[0]:
+    state = loop.compact(state, view[0])
+    state = loop.maybe_switch(state, *view)
+    state = loop.chunk(state, *view)
+  loop.finish(state)
+  return GenerationResult(_outputs(loop.harvest, plan), _stats(loop, programs_before))
 
-  start = time.perf_counter()
-  state = prefill(params, tokens, lengths, live, row_caps,
-                  init_cache(config, batch, cache_len, dtype, rules, per_layer=True),
-                  jax.random.key(seed),
-                  buckets=buckets, keep_hidden=spec is not None and spec.drafter is not None,
-                  rules=rules, **static)
-  row_ids = np.where(live, order, -1)
-  harvest = _Harvest(len(prompts))
-  trace, spec_on_at, steps_below, chunk_start_generated = [], None, 0, 0
-  context_trace = []
-  plain_steps = 0
-  batch_buckets_used = [batch]
-  strategy_chunks = collections.Counter()
-  played = None   # (live rows, strategy, start time, programs) of the SD chunk in flight
-  head, context_sizes = None, None
-  windowed = windowed_attention(attention_impl, rules)
-  while True:
-    base = _base(state)
-    done = np.asarray(base.done)
-    live_rows = int((~done).sum())
-    longest_live = int(np.asarray(base.cache.lengths)[~done].max(initial=0))
-    generated = int(np.asarray(base.num_generated).sum())
-    emitted = generated - chunk_start_generated     # by the last chunk
-    now = time.perf_counter()
-    trace.append((round(now - start, 4), live_rows))
-    context_trace.append((round(now - start, 4), longest_live, emitted,
-                          isinstance(state, speculative.SpecState)))
-    if played is not None:
-      played_rows, strategy, began, programs = played
-      # A chunk that compiled a program measured the compiler, not the strategy.
-      if compiled_programs() == programs and now > began:
-        spec.bandit.record(played_rows, strategy, emitted / (now - began))
-      played = None
-    if live_rows == 0:
-      harvest.take(state, row_ids, np.ones_like(done))
-      if spec is not None and spec.pick_memory is not None and spec_on_at is not None:
-        spec.pick_memory.keep(state.hybrid)
-      break
-    if compact and buckets.batch_bucket(live_rows) < done.shape[0]:
-      harvest.take(state, row_ids, done)
-      keep = np.flatnonzero(~done)
-      filler = np.flatnonzero(done)[0]            # a finished row: stays finished
-      rows = np.concatenate([keep, np.full(buckets.batch_bucket(live_rows) - len(keep), filler)])
-      state = take_rows(state, jnp.asarray(rows, jnp.int32), rules)
-      row_ids = np.where(np.arange(len(rows)) < len(keep), row_ids[rows], -1)
-      batch_buckets_used.append(len(rows))
-      generated = int(np.asarray(_base(state).num_generated).sum())
-    if spec is not None and spec_on_at is None:
-      if live_rows <= spec.threshold:
-        steps_below += emitted // live_rows
-      else:
-        steps_below = 0
-      if live_rows <= spec.threshold and steps_below >= spec.patience:
-        spec_on_at = time.perf_counter() - start
-        if spec.ngram_config is not None:
-          texts = [list(p) + out for p, out in zip(prompts, harvest.so_far(state, row_ids))]
-          pool = draft_pool(texts, groups, extras, row_ids, plan)
-          context_sizes = pool.sizes
-        if spec.drafter is None:
-          state = speculative.start_model_free(state, pool, rules)
-        else:
-          head = rollout_draft_head(params, config, spec.vocab_ids)
-          state = switch_to_speculation(params, config, spec, state, plan,
-                                        drafter_prefill_len(longest_live, plan, buckets),
-                                        attention_impl, rules)
-          if spec.ngram_config is not None:
-            state = speculative.add_model_free(state, pool, spec.pick_memory, rules)
-    chunk_start_generated = generated
-    speculating = isinstance(state, speculative.SpecState)
-    window = chunk_window(longest_live, chunk_steps, spec if speculating else None, plan,
-                          buckets, windowed)
-    if speculating:
-      strategy = spec.strategy if spec.bandit is None else spec.bandit.choose(live_rows)
-      if spec.bandit is not None:
-        # The timer starts once compaction and the drafter prefill are done, so a reward
-        # measures only the chunk it is given to.
-        jax.block_until_ready(state)
-        played = (live_rows, strategy, time.perf_counter(), compiled_programs())
-      state = speculative.spec_chunk(params, spec.drafter, head, spec.vocab_ids, state,
-                                     strategy=strategy, chunk_steps=chunk_steps,
-                                     window=window, ngram_config=spec.ngram_config,
-                                     hybrid=spec.row_counts, kind=spec.kind_of(strategy),
-                                     draft_temperature_ratio=spec.draft_temperature_ratio,
-                                     rules=rules, **static)
-      strategy_chunks[strategy.name] += 1
-    else:
-      state = decode.decode_chunk(params, state, chunk_steps=chunk_steps, window=window,
-                                  rules=rules, **static)
-      plain_steps += 1
-  total_s = time.perf_counter() - start
 
-  outputs = []
-  for ids, logprobs in zip(harvest.tokens, harvest.logprobs):
-    reason = "eos" if ids and ids[-1] in plan.eos_ids else "length"
-    outputs.append(GenerationOutput(ids, logprobs, reason))
-  generated = sum(len(o.token_ids) for o in outputs)
+def _outputs(harvest: _Harvest, plan: RolloutPlan) -> list[GenerationOutput]:
+  return [GenerationOutput(ids, logprobs, "eos" if ids and ids[-1] in plan.eos_ids
+                           else "length")
+          for ids, logprobs in zip(harvest.tokens, harvest.logprobs)]
+
+
+def _stats(loop: _Loop, programs_before: int) -> dict:
+  rollout, harvest, plan = loop.rollout, loop.harvest, loop.rollout.plan
+  generated = sum(len(ids) for ids in harvest.tokens)
+  total_s = loop.total_s
   stats = {
-      "batch_bucket": batch, "prompt_length_bucket": prompt_len, "cache_length": cache_len,
-      "generated_tokens": generated, "total_s": total_s,
+      "batch_bucket": plan.batch, "prompt_length_bucket": plan.prompt_len,
+      "cache_length": plan.cache_len, "generated_tokens": generated, "total_s": total_s,
       "tokens_per_s": generated / total_s if total_s > 0 else 0.0,
-      "rollout/live_rows": trace,
+      "rollout/live_rows": loop.trace,
       # Per chunk boundary: seconds, the longest live row, tokens the chunk that ended there
       # emitted, whether it was speculative: a chunk's cost by context length.
-      "rollout/context": context_trace,
-      "rollout/tail_s": tail_seconds(trace, len(prompts)),
-      "rollout/batch_buckets": batch_buckets_used,
+      "rollout/context": loop.context_trace,
+      "rollout/tail_s": tail_seconds(loop.trace, len(loop.prompts)),
+      "rollout/batch_buckets": loop.buckets_used,
       "compile/programs": compiled_programs(),
       "compile/new_programs": compiled_programs() - programs_before,
-      "decode_chunks/plain": plain_steps, "decode_chunks/spec": sum(strategy_chunks.values()),
+      # Programs run that `Rollout.programs` does not list (so `precompile` would miss).
+      "compile/unlisted": sorted(map(str, rollout.dispatched - set(rollout.programs()))),
+      "decode_chunks/plain": loop.plain_chunks,
+      "decode_chunks/spec": sum(loop.strategy_chunks.values()),
   }
-  if spec is not None:
-    verify_steps, spec_tokens = int(harvest.spec_steps.sum()), int(harvest.spec_tokens.sum())
-    accept_len = spec_tokens / verify_steps if verify_steps else 0.0
-    accept_by_drafter, share_by_drafter = harvest.by_drafter(spec)
-    stats.update({"spec/strategy": ",".join(s.name for s in spec.strategies),
-                  "spec/drafter": spec.kind,
-                  "spec/accept_len_by_drafter": accept_by_drafter,
-                  # The share of verify steps each drafter kind drafted (won, in a hybrid).
-                  "spec/verify_share_by_drafter": share_by_drafter,
-                  "spec/context_sizes": context_sizes,
-                  "spec/strategy_chunks": dict(strategy_chunks),
-                  "spec/verify_steps": verify_steps,
-                  "spec/accept_len": accept_len,
-                  "spec/enabled_frac": spec_tokens / generated if generated else 0.0,
-                  "spec/on_at_s": spec_on_at})
-    if spec.bandit is not None:
-      stats["spec/bandit"] = spec.bandit.summary()
-  return GenerationResult(outputs, stats)
+  spec = rollout.spec
+  if spec is None:
+    return stats
+  verify_steps, spec_tokens = int(harvest.spec_steps.sum()), int(harvest.spec_tokens.sum())
+  accept_by_drafter, share_by_drafter = harvest.by_drafter(spec)
+  stats.update({"spec/strategy": ",".join(s.name for s in spec.strategies),
+                "spec/drafter": spec.kinds,
+                "spec/accept_len_by_drafter": accept_by_drafter,
+                # The share of verify steps each drafter kind drafted (won, in a hybrid).
+                "spec/verify_share_by_drafter": share_by_drafter,
+                "spec/context_sizes": loop.context_sizes,
+                "spec/strategy_chunks": dict(loop.strategy_chunks),
+                "spec/verify_steps": verify_steps,
+                "spec/accept_len": spec_tokens / verify_steps if verify_steps else 0.0,
+                "spec/enabled_frac": spec_tokens / generated if generated else 0.0,
+                "spec/on_at_s": loop.spec_on_at})
+  if loop.memory.bandit is not None:
+    stats["spec/bandit"] = loop.memory.bandit.summary()
+  return stats

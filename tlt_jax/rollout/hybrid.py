@@ -14,35 +14,21 @@ tokens per unit time (`pick_learned`).
 A row's prior for an arm is the batch's rate for it (every row's counts pooled, discounted
 the same way), with the weight of one step: a row that has not drafted with an arm lately
 expects what the others measure, so it does not retry an arm the batch already knows to be
-worse.
-Replaying the pick along SmolLM2's T=1 responses (16 rows in step, the drafter always
-running), priors of each row's own gave 9% of steps to the chain and 0.977x the learned
-drafter's tokens per step; the batch's, 4% and 0.99x. The batch's rate starts from an
-optimistic prior (every step emits the most a step can, with the weight of a tenth of a
-step), so each arm is tried at once, and an arm no row picks for a while drifts back to
-it and is tried again. Ties go to the model-free chain, the cheaper one. A `PickMemory`
-carries the batch's counts from one rollout to the next: its first steps then pick by what
-earlier rollouts measured instead of trying every arm anew (SmolLM2, T=0, a call per row of
-128 tokens: the drafter drafted 3% of the steps, a try per call, and 0.7% with a memory;
-benchmarks/results/model_free_hybrid_batch1_t0_cpu.json), and the optimistic prior still
-brings a long-unpicked arm back.
+worse. The batch's rate starts from an optimistic prior (every step emits the most a step
+can, with the weight of a tenth of a step), so each arm is tried at once, and an arm no row
+picks for a while drifts back to it and is tried again. Ties go to the model-free chain,
+the cheaper one. A `PickMemory` carries the batch's counts from one rollout to the next:
+its first steps then pick by what earlier rollouts measured instead of trying every arm
+anew.
 
 The pick reads only earlier steps' outcomes and text, never this step's draws: the
 verified draft is fixed before them, so verification stays exact whichever kind a row
-picks.
+picks. Both drafts have one verify shape (chain strategies), so a pick compiles nothing.
 
-`merge` selects the other design, one tree holding both drafts (see `HybridConfig`); its
-counts then record which kind's draft the accepted path took (model-free when none was
-accepted: it is tried first).
-
-Why the pick is the default: under one token budget the merged tree halves each chain's
-depth and always pays the drafter, while the pick gives the winning kind the whole depth
-and skips the drafter when every row picks the chain. benchmarks/results/model_free_cpu.json
-(SmolLM2, 2-core CPU, G = 8, 4_1_5, an earlier epoch's responses as context), the pick's
-tokens/s over the merge's: T=0 1.42x, 1.29x, 1.43x at live batch 1, 4, 16 (the chain
-accepts 3.9-4.0 tokens a step, the merge's half-depth chain 2.8); T=1 0.94x, 0.87x, 1.07x
-(the chain accepts 1.3 there, the learned drafter 2.0, and the merge's two drafter levels
-cost less than the pick's four).
+A single verify tree holding both drafts under one token budget (each chain at half the
+depth, the drafter always paid) was the other design; it lost to the pick at greedy
+decoding at every live batch measured (benchmarks/results/model_free_cpu.json) and was
+removed.
 """
 from __future__ import annotations
 
@@ -54,11 +40,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from tlt_jax.errors import UserInputError
+from tlt_jax.rollout import ngram
+from tlt_jax.rollout.decode import DecodeState
+from tlt_jax.rollout.drafting import Draft, DraftInputs, Verified, VerifyTree
+from tlt_jax.rollout.learned_drafter import LearnedDrafter, LearnedState
+from tlt_jax.rollout.model_free import ModelFreeDrafter
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.strategy import SpecStrategy
 
 KINDS = ("learned", "ngram")   # the columns of `HybridStats`' [B, 2] counts
 # The pick's arms: the learned drafter, and the model-free chain after a match of the full
-# `max_ngram` tokens or a shorter one (at T=1 on SmolLM2 a chain after a 4-token match
-# accepts ~4x as much as after a 1-token one; shorter matches are two thirds of steps).
+# `max_ngram` tokens or a shorter one (a chain after a full match is accepted several times
+# as often as one after a single token).
 _LEARNED, _FULL_MATCH, _SHORT_MATCH = _ARMS = range(3)
 _PRIOR_STEPS = 0.1             # the batch's optimistic prior's weight, in verify steps
 _POOLED_STEPS = 1.0            # the weight of a row's prior, the batch's rate, in steps
@@ -66,22 +59,11 @@ _POOLED_STEPS = 1.0            # the weight of a row's prior, the batch's rate, 
 
 @dataclasses.dataclass(frozen=True)
 class HybridConfig:
-  # A learned draft's time in verify passes. DESIGN.md 4b (2-core CPU, SmolLM2, batch 1):
-  # a drafter step with an 8k draft vocabulary is 0.055 of a decode step and a 5-token
-  # verify 1.49, so a depth-4 chain is ~0.15-0.2 of its verify; a wider head costs more.
-  # Measured (same setting, 4_1_5, greedy, one prompt, 64 tokens): a learned step 61 ms,
-  # a hybrid step whose rows all picked model-free 50.5 ms (verify + catch-up): 0.21.
+  # A learned draft's time in verify passes: a depth-4 chain's drafter levels against its
+  # 5-token verify (benchmarks/spec_step.py measures both on a platform).
   draft_cost: float = 0.2
-  # Per-step discount of a row's counts: ~100 steps of memory. Replaying the pick along
-  # SmolLM2's T=1 responses (G=8, an earlier epoch, 16 rows in step, the drafter always
-  # running; two sets of responses): 0.990-0.994x the learned drafter's tokens per step
-  # at 0.99, 0.985-0.990x at 0.95 (the tries of the chain, which accepts less at T=1,
-  # are the loss).
+  # Per-step discount of a row's counts: ~100 steps of memory.
   memory: float = 0.99
-  # The other design: no pick, one verify tree per step holding both drafts under the
-  # strategy's budget (`speculative._merged_tree`: the model-free chain over the first
-  # half of the depth, rounded up, tried first; the learned chain over the rest).
-  merge: bool = False
 
   def __post_init__(self):
     if not self.draft_cost >= 0:
@@ -104,8 +86,9 @@ class HybridStats:
 
 
 class PickMemory:
-  """The batch's counts by arm, carried from one rollout to the next (`SpecConfig`'s
-  `pick_memory`): `init_stats` starts from them, the engine keeps a rollout's last ones."""
+  """The batch's counts by arm, carried from one rollout to the next (host state its
+  caller owns, `spec_config.SpecMemory`): `init_stats` starts from them, the engine keeps a
+  rollout's last ones."""
 
   def __init__(self):
     self.steps, self.tokens = (np.zeros((len(_ARMS),), np.float32) for _ in range(2))
@@ -113,6 +96,12 @@ class PickMemory:
   def keep(self, stats: HybridStats) -> None:
     self.steps, self.tokens = (np.asarray(stats.batch_steps[0]),
                                np.asarray(stats.batch_tokens[0]))
+
+  def state_dict(self) -> dict:
+    return {"steps": self.steps.tolist(), "tokens": self.tokens.tolist()}
+
+  def load_state_dict(self, state: dict) -> None:
+    self.steps, self.tokens = (np.asarray(state[k], np.float32) for k in ("steps", "tokens"))
 
 
 def init_stats(batch: int, memory: PickMemory | None = None) -> HybridStats:
@@ -124,11 +113,6 @@ def init_stats(batch: int, memory: PickMemory | None = None) -> HybridStats:
   return HybridStats(steps=ints(), tokens=ints(), recent_steps=floats(),
                      recent_tokens=floats(), batch_steps=carried(memory.steps),
                      batch_tokens=carried(memory.tokens))
-
-
-def merge_split(depth: int) -> tuple[int, int]:
-  """A merged tree's (model-free chain depth, learned chain depth) for a strategy depth."""
-  return depth - depth // 2, depth // 2
 
 
 def _chain_arm(full_match: jax.Array) -> jax.Array:
@@ -146,8 +130,7 @@ def pick_learned(stats: HybridStats, config: HybridConfig, most_tokens: int,
   tokens per unit time are higher with it (each live row then drafting with whichever
   kind emits more per step: a row that kept the chain would save nothing and only lose
   tokens) than without it. So one row's optimism about its drafter does not make the
-  whole batch pay a drafter step (SmolLM2, batch 4, T=0: with the any-row rule the hybrid
-  ran at 0.83x the model-free chain alone, with this one and the match arms 0.98x)."""
+  whole batch pay a drafter step."""
   batch_rate = ((stats.batch_tokens + _PRIOR_STEPS * most_tokens)
                 / (stats.batch_steps + _PRIOR_STEPS))                          # [B, 3]
   per_step = ((stats.recent_tokens + _POOLED_STEPS * batch_rate)
@@ -176,3 +159,100 @@ def record(stats: HybridStats, config: HybridConfig, learned: jax.Array, emitted
                      recent_tokens=fade * stats.recent_tokens + arm_tokens,
                      batch_steps=pooled(stats.batch_steps, arm),
                      batch_tokens=pooled(stats.batch_tokens, arm_tokens))
+
+
+@flax.struct.dataclass
+class HybridState:
+  learned: LearnedState
+  context: ngram.DraftContext
+  stats: HybridStats
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridDrafter:
+  """Both sources in step: the drafter runs the accepted pairs and the context grows by the
+  emitted tokens whichever kind drafted. kind: "hybrid", each row picks per step; "learned"
+  or "ngram", that kind drafts every row (a bandit pool mixing kinds). learned_run (a
+  picking chunk's run of steps): whether some live row picks the drafter; if not, every
+  row drafts the model-free chain and no drafter tree grows."""
+  learned: LearnedDrafter
+  model_free: ModelFreeDrafter
+  config: HybridConfig = HybridConfig()
+  kind: str = "hybrid"
+  learned_run: bool = True
+
+  def pick(self, state: HybridState, base: DecodeState, strategy: SpecStrategy,
+           full_match: jax.Array | None = None) -> jax.Array:
+    """[B] the rows whose pick is the learned drafter this step (`pick_learned`).
+    full_match: as `ModelFreeDrafter.draft` gives it; None: the chain is matched here."""
+    if full_match is None:
+      ngram_config = self.model_free.ngram_config
+      full_match = ngram.propose_chain(state.context, strategy.depth, ngram_config)[1] >= (
+          ngram_config.max_ngram)
+    return pick_learned(state.stats, self.config, strategy.depth + 1, ~base.done, full_match)
+
+  def propose(self, key, inputs: DraftInputs, state: HybridState, base: DecodeState,
+              strategy: SpecStrategy, sampling: SamplingParams) -> tuple[HybridState, Draft]:
+    none = jnp.zeros(base.done.shape, bool)
+    if self.kind != "learned":
+      chain, full_match = self.model_free.draft(state.context, base, strategy, sampling)
+    learned, root_hidden = self.learned.catch_up(inputs, state.learned)
+    if self.kind == "ngram" or not self.learned_run:
+      return state.replace(learned=learned), Draft(chain, none, full_match)
+    learned, tree = self.learned.tree(key, inputs, learned, base, strategy, sampling,
+                                      root_hidden)
+    state = state.replace(learned=learned)
+    if self.kind == "learned":
+      return state, Draft(tree, ~none, none)
+    use_learned = self.pick(state, base, strategy, full_match)
+    tree, learned_rows, point_mass = _per_row(tree, chain, use_learned, sampling)
+    return state, Draft(tree, learned_rows, full_match, point_mass)
+
+  def commit(self, state: HybridState, strategy: SpecStrategy, verified: Verified
+             ) -> HybridState:
+    draft = verified.draft
+    learned = self.learned.commit(state.learned, strategy, verified,
+                                  counted=verified.live & draft.learned_rows)
+    context = self.model_free.commit(state.context, strategy, verified)
+    stats = record(state.stats, self.config, draft.learned_rows, verified.new_tokens,
+                   verified.live, draft.full_match)
+    return HybridState(learned=learned, context=context, stats=stats)
+
+  def chunk_body(self, step, more, strategy: SpecStrategy):
+    """A picking hybrid runs each kind's steps in a loop of its own rather than a
+    conditional in every step, so the model-free loop's steps are the chain's alone."""
+    if self.kind != "hybrid":
+      return lambda carry: step(self, carry)
+
+    def run_of(learned_run: bool):
+      drafter = dataclasses.replace(self, learned_run=learned_run)
+
+      def go_on(carry):
+        s = carry[1]
+        picked = self.pick(s.draft, s.base, strategy) & ~s.base.done
+        return more(carry) & (jnp.any(picked) == learned_run)
+      return lambda carry: jax.lax.while_loop(go_on, lambda c: step(drafter, c), carry)
+    return lambda carry: run_of(True)(run_of(False)(carry))
+
+
+def _per_row(learned: VerifyTree, chain: VerifyTree, use_learned: jax.Array,
+             sampling: SamplingParams) -> tuple[VerifyTree, jax.Array, jax.Array | None]:
+  """Per row, the learned drafter's tree where `use_learned` [B], else the model-free
+  chain; and, when sampling, which nodes are point masses [B, V] (a model-free row's):
+  recursive rejection then never reads their q rows."""
+  pick = lambda a, b: jnp.where(use_learned.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
+  tree = learned._replace(tokens=pick(learned.tokens, chain.tokens),
+                          depths=pick(learned.depths, chain.depths),
+                          parents=pick(learned.parents, chain.parents),
+                          mask=pick(learned.mask, chain.mask))
+  point_mass = None if sampling.greedy else jnp.broadcast_to(~use_learned[:, None],
+                                                             tree.tokens.shape)
+  return tree, use_learned, point_mass
+
+
+def start_state(learned: LearnedState, context: ngram.DraftContext,
+                memory: PickMemory | None = None) -> HybridState:
+  """A learned drafter's state that also drafts model-free from `context`; per-row counts
+  by drafter kind feed the pick (from `memory`'s batch counts) and the stats."""
+  return HybridState(learned=learned, context=context,
+                     stats=init_stats(learned.pend_count.shape[0], memory))
