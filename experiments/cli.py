@@ -5,7 +5,6 @@ import json
 import logging as std_logging
 import os
 import sys
-import tempfile
 import warnings
 from typing import Any, Callable
 
@@ -13,6 +12,7 @@ from absl import app, flags, logging
 
 from experiments import host_malloc
 from tlt_jax.errors import UserInputError
+from tlt_jax.files import atomic_file
 
 EXIT_USAGE = 2
 
@@ -106,11 +106,5 @@ def write_json_atomic(path: str, payload: Any) -> None:
   directory = os.path.dirname(os.path.abspath(path))
   if not os.path.isdir(directory):
     raise UserInputError(f"{path}: directory {directory} does not exist")
-  fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
-  try:
-    with os.fdopen(fd, "w") as f:
-      json.dump(payload, f, indent=1)
-    os.replace(tmp, path)
-  except BaseException:
-    os.unlink(tmp)
-    raise
+  with atomic_file(path) as f:
+    json.dump(payload, f, indent=1)

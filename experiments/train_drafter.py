@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import time
 
 from absl import flags
@@ -22,6 +21,7 @@ from experiments import cli
 from tlt_jax.data.tasks import build_questions, validate_tasks
 from tlt_jax.drafter.corpus import read_corpus, read_json
 from tlt_jax.errors import UserInputError
+from tlt_jax.files import atomic_file
 
 _MODEL = flags.DEFINE_string("model", "smollm2", "HF dir, converted checkpoint dir, .gguf file, "
                              "or 'smollm2'.")
@@ -175,9 +175,8 @@ def _cached_rows_hidden(out_dir: str, split: str, key: dict, compute):
     if read_json(stem + ".json") == key:
       return np.load(stem + ".npy", mmap_mode="r")
   hidden = compute()
-  with tempfile.NamedTemporaryFile(dir=out_dir, suffix=".npy", delete=False) as f:
+  with atomic_file(stem + ".npy", "wb") as f:
     np.save(f, hidden)
-  os.replace(f.name, stem + ".npy")
   cli.write_json_atomic(stem + ".json", key)
   return hidden
 
