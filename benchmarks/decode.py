@@ -30,6 +30,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import ab  # noqa: E402
 from benchmarks.peer_envs import PEER_PACKAGES, ensure_hf_model, ensure_venv  # noqa: E402
 from benchmarks.report import emit  # noqa: E402
 import jax
@@ -253,7 +254,7 @@ def bench_batch(tlt_model, tlt_params, hf_model, tunix: TunixSide | None, prompt
       "agreement_row0": {f"hf_threads_{n}": agreement(tlt[-1]["tokens"][0], hf[n][-1]["tokens"][0])
                          for n in HF_THREADS},
   }
-  ratio = lambda hf_tps: [t["tokens_per_s"] / h for t, h in zip(tlt, hf_tps)]
+  ratio = lambda other_tps: ab.paired_ratios([t["tokens_per_s"] for t in tlt], other_tps)
   for n, runs in hf.items():
     tps = [h["tokens_per_s"] for h in runs]
     report[f"hf_threads_{n}"] = {"tokens_per_s": median(tps), "runs_tokens_per_s": tps,
@@ -281,7 +282,7 @@ def bench_batch(tlt_model, tlt_params, hf_model, tunix: TunixSide | None, prompt
 def roofline(batch: dict, weight_bytes: int) -> dict:
   """Batch-1 tokens/s against bandwidth / weight bytes, paired with each repeat's probe."""
   limits = [gbs * 1e9 / weight_bytes for gbs in batch["read_gb_per_s"]]
-  frac = lambda runs: median([x / lim for x, lim in zip(runs, limits)])
+  frac = lambda runs: ab.paired_median(runs, limits)
   return {"tokens_per_s": median(limits), "runs_tokens_per_s": limits,
           "tlt_fraction": frac(batch["tlt"]["runs_tokens_per_s"]),
           "tlt_decode_fraction": frac(batch["tlt"]["runs_decode_tokens_per_s"]),

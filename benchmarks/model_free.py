@@ -19,11 +19,12 @@ accept length, and the median over rounds of its tokens/s over plain's in the sa
 (paired ratios); its verify step's time (`step_ms_median`, from SD chunks at the full
 batch, which span about the same contexts for every variant: the prompt to the first
 row's end) and the drafter's time in model-free steps (`draft_cost_measured`, the d of
-benchmarks/model_free_ceiling.py's hybrid bound, when both verify the same chain).
+benchmarks/research/model_free_ceiling.py's hybrid bound, when both verify the same chain).
 `goals` checks issue 17's targets at each setting.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -33,7 +34,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import questions  # noqa: E402
+from benchmarks import ab, questions  # noqa: E402
 from benchmarks.report import emit  # noqa: E402
 from absl import flags  # noqa: E402
 from experiments import cli  # noqa: E402
@@ -123,8 +124,8 @@ def full_chunk_seconds(stats: dict, batch: int) -> list[float]:
 def goals(entry: dict, rounds: list[dict], temperature: float, batch: int) -> dict:
   """Issue 17's targets at one setting, those whose variants ran; speeds compared as the
   median over rounds of the two variants' tokens/s ratio in the same round."""
-  paired = lambda a, b: statistics.median(r[a]["tokens_per_s"] / r[b]["tokens_per_s"]
-                                          for r in rounds)
+  paired = lambda a, b: ab.paired_median([r[a]["tokens_per_s"] for r in rounds],
+                                         [r[b]["tokens_per_s"] for r in rounds])
   ran = lambda *vs: all(v in entry for v in vs)
   out = {}
   if ran("hybrid", "learned", "ngram_epoch"):
@@ -274,17 +275,18 @@ def main(argv):
       if _PRECOMPILE.value:
         compiled = sum(run(v, batch, sampling, 0, epoch, specs, compile_only=True)
                        ["new_programs"] for v in variants)
-      for v in variants:       # warm-up
-        run(v, batch, sampling, 0, epoch, specs)
-      rounds = [{v: run(v, batch, sampling, 1 + r, epoch, specs) for v in variants}
-                for r in range(_REPEATS.value)]
+      # A warm-up round, then every variant in turn, each round's number its seed.
+      rounds = ab.alternate({v: functools.partial(run, v, batch, sampling, epoch=epoch,
+                                                  specs=specs) for v in variants},
+                            _REPEATS.value)
       entry = {"temperature": temperature, "batch": batch, "precompiled_programs": compiled,
                "new_programs_timed": sum(x["new_programs"] for r in rounds for x in r.values())}
       for v in variants:
         runs = [r[v] for r in rounds]
         entry[v] = {"tokens_per_s_median": statistics.median(x["tokens_per_s"] for x in runs),
-                    "speedup_paired_median": statistics.median(
-                        r[v]["tokens_per_s"] / r["plain"]["tokens_per_s"] for r in rounds),
+                    "speedup_paired_median": ab.paired_median(
+                        [x["tokens_per_s"] for x in runs],
+                        [x["tokens_per_s"] for x in ab.side(rounds, "plain")]),
                     # Nonzero: a timed run compiled (its figures measure the compiler too).
                     "new_programs_timed": sum(x["new_programs"] for x in runs)}
         if "accept_len" in runs[0]:
@@ -299,8 +301,9 @@ def main(argv):
       timed_rounds = [r for r in rounds if all("step_ms" in r.get(v, {})
                                                for v in ("learned", "ngram_epoch"))]
       if timed_rounds and ngram_strategy == strategy:
-        entry["draft_cost_measured"] = statistics.median(
-            r["learned"]["step_ms"] / r["ngram_epoch"]["step_ms"] - 1 for r in timed_rounds)
+        entry["draft_cost_measured"] = ab.paired_median(
+            [r["learned"]["step_ms"] for r in timed_rounds],
+            [r["ngram_epoch"]["step_ms"] for r in timed_rounds]) - 1
       entry["goals"] = goals(entry, rounds, temperature, batch)
       log(json.dumps(entry))
       report["settings"].append(entry)

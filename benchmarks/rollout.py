@@ -18,6 +18,7 @@ benchmarks/gpu_check.sh).
 """
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -28,7 +29,7 @@ import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import questions  # noqa: E402
+from benchmarks import ab, questions  # noqa: E402
 from benchmarks.report import emit  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402
@@ -174,14 +175,12 @@ def main(argv):
                for batch_prompts in rollouts for side in (None, spec))
 
   def alternate(batch_prompts, sampling, spec, max_new, repeats, run=timed):
-    """Warm-up both sides, then A B A B ...; returns per-side lists of (seconds, result)."""
-    run(batch_prompts, sampling, None, max_new, 0)
-    run(batch_prompts, sampling, spec, max_new, 0)
-    plain, sd = [], []
-    for r in range(repeats):
-      plain.append(run(batch_prompts, sampling, None, max_new, 1 + r))
-      sd.append(run(batch_prompts, sampling, spec, max_new, 1 + r))
-    return plain, sd
+    """Warm-up both sides, then A B A B ... (each round's number its seed); returns
+    per-side lists of (seconds, result)."""
+    rounds = ab.alternate(
+        {side: functools.partial(run, batch_prompts, sampling, side_spec, max_new)
+         for side, side_spec in (("plain", None), ("sd", spec))}, repeats)
+    return ab.side(rounds, "plain"), ab.side(rounds, "sd")
 
   def release_programs():
     """Drops earlier settings' compiled programs: each setting, the long tail and each
@@ -224,12 +223,12 @@ def main(argv):
                                   _REPEATS.value)
           # Throughput ratio: under sampling the two sides draw different tokens (and EOS at
           # different times), so their wall times cover different amounts of work.
-          ratios = [s[1].stats["tokens_per_s"] / p[1].stats["tokens_per_s"]
-                    for p, s in zip(plain, sd)]
+          speedup = ab.paired_median([s[1].stats["tokens_per_s"] for s in sd],
+                                     [p[1].stats["tokens_per_s"] for p in plain])
           entry = {"batch": batch, "temperature": temperature, "strategy": strategy,
                    "prompts": _BATCH1_PROMPTS.value if batch == 1 else batch,
                    "plain": summary(plain), "sd": summary(sd),
-                   "speedup_paired_median": statistics.median(ratios),
+                   "speedup_paired_median": speedup,
                    "precompiled_programs": precompiled,
                    "new_programs_timed": sum(r[1].stats["compile/new_programs"]
                                              for r in plain + sd)}
@@ -265,7 +264,7 @@ def main(argv):
                          "p90": lengths[int(len(lengths) * .9)], "max": lengths[-1]},
         "plain": summary(plain), "adaptive_sd": summary(sd),
         "sd_enabled_frac": sd[-1][1].stats.get("spec/enabled_frac"),
-        "speedup_paired_median": statistics.median(p[0] / s[0] for p, s in zip(plain, sd)),
+        "speedup_paired_median": ab.paired_median([p[0] for p in plain], [s[0] for s in sd]),
         "plain_wall_frac_at_threshold": statistics.median(
             _tail_share(p[1].stats, _TAIL_THRESHOLD.value) for p in plain),
         "sd_strategy_chunks": sd[-1][1].stats["spec/strategy_chunks"],

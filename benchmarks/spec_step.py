@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import flags  # noqa: E402
 
-from benchmarks import questions  # noqa: E402
+from benchmarks import ab, questions  # noqa: E402
 from benchmarks.report import emit  # noqa: E402
 from experiments import cli  # noqa: E402
 from tlt_jax.errors import UserInputError  # noqa: E402
@@ -114,16 +114,14 @@ def main(argv):
       seconds = time.perf_counter() - start   # the step count is read off the clock
       return seconds, int(jnp.max(out.spec_steps - kept[kind][1].spec_steps))
 
-    for kind in kinds:   # compile
-      chunk(kind)
-    times, steps = {kind: [] for kind in kinds}, {}
-    for _ in range(_REPEATS.value):
-      for kind in kinds:
-        seconds, steps[kind] = chunk(kind)
-        times[kind].append(seconds * 1e3 / steps[kind])
+    # A warm-up round (it compiles), then the kinds in turn.
+    rounds = ab.alternate({kind: lambda _, kind=kind: chunk(kind) for kind in kinds},
+                          _REPEATS.value)
     report["batches"].append({"batch": batch, **{
-        kind: {"ms_per_step_median": statistics.median(t), "steps_per_chunk": steps[kind]}
-        for kind, t in times.items()}})
+        kind: {"ms_per_step_median": statistics.median(
+                   seconds * 1e3 / steps for seconds, steps in ab.side(rounds, kind)),
+               "steps_per_chunk": rounds[-1][kind][1]}
+        for kind in kinds}})
   emit(report, _OUTPUT.value)
 
 

@@ -1,7 +1,7 @@
 """How many tokens per verify step any model-free drafter could accept at T > 0: an upper
 bound from the target's own probabilities, for issue 17's accept-length goal.
 
-  python benchmarks/model_free_ceiling.py [--temperature=1] [--output=FILE]
+  python benchmarks/research/model_free_ceiling.py [--temperature=1] [--output=FILE]
 
 Samples G (--group_size) responses to each held-out reasoning-gym math prompt by plain
 sampling (as benchmarks/model_free.py's batch-1 rollouts: sample i drafts from its prompt,
@@ -56,7 +56,7 @@ import itertools
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from absl import flags  # noqa: E402
 
