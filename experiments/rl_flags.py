@@ -32,7 +32,9 @@ _ON_BAD_ROW = flags.DEFINE_enum("on_bad_row", "fail", ["fail", "skip"], "A data 
                                 "missing or malformed field: stop, or skip and count it.")
 # ---- rewards
 _REWARD = flags.DEFINE_string("reward", "reasoning_gym", "Registered reward name "
-                              "(math_verify, reasoning_gym, ...) or module.path:function.")
+                              "(math_verify, reasoning_gym, ...) or module.path:function, "
+                              "called as fn(response, ground_truth, data_source, extra_info) "
+                              "-> float.")
 _FORMAT_WEIGHT = flags.DEFINE_float("format_weight", 0.0, "Weight of the format reward.")
 _REWARD_WORKERS = flags.DEFINE_integer("reward_workers", 2, "Reward processes.", lower_bound=1)
 _REWARD_TIMEOUT = flags.DEFINE_float("reward_timeout_s", 10.0, "Per-item scoring limit; a "

@@ -22,7 +22,7 @@ from tlt_jax.models.transformer import Params
 from tlt_jax.rl import advantages as adv
 from tlt_jax.rl.batching import Sequences
 from tlt_jax.rl.config import AdvantageConfig, OverlongConfig
-from tlt_jax.rl.rewards import RewardItem, RewardPool
+from tlt_jax.rl.rewards import RewardItem, RewardPool, require_some_scored
 from tlt_jax.rl.rollout import (GroupRollouts, RolloutSettings, concat_rollouts,
                                 lay_out_for_rollout, sample_groups)
 from tlt_jax.rl.update import (PolicyState, UpdateContext, compiled_programs, score_sequences,
@@ -182,6 +182,7 @@ class Learner:
                                      data_source=item.record.data_source,
                                      extra_info=item.record.extra_info))
     result = self.rewards.score(reward_items)
+    require_some_scored(result, self.rewards.spec.name)
     penalty = adv.overlong_penalty(rollouts.response_lengths, self.rollout.max_new_tokens,
                                    self.step_config.overlong)
     shape = (len(items), g)
