@@ -10,9 +10,9 @@ from typing import Any, Callable
 
 from absl import app, flags, logging
 
-from experiments import host_malloc
 from tlt_jax.errors import UserInputError
 from tlt_jax.files import atomic_file
+from tlt_jax.runtime import host
 
 EXIT_USAGE = 2
 
@@ -52,8 +52,8 @@ def _quiet_unraisable(unraisable) -> None:
 def run(main: Callable[[list[str]], Any]) -> None:
   """`app.run` with bad flags, `UserInputError`s and I/O failures (a full disk, a
   read-only dir) reported as one line, exit code 2; the process first restarts itself with
-  huge-page malloc (`host_malloc`)."""
-  host_malloc.reexec_with_huge_pages()
+  huge-page malloc (`host.reexec_with_huge_pages`)."""
+  host.reexec_with_huge_pages()
 
   def guarded(argv):
     if len(argv) > 1:

@@ -12,6 +12,7 @@ from typing import Any
 from absl import flags
 
 from tlt_jax.errors import UserInputError
+from tlt_jax.runtime import host
 
 # ---- model and data
 _MODEL = flags.DEFINE_string("model", "smollm2", "Policy: HF dir, converted checkpoint dir, "
@@ -157,7 +158,6 @@ class Run:
     """`--precompile`: every program a step can dispatch, compiled now."""
     if not _PRECOMPILE.value:
       return
-    from tlt_jax.rl.learner import return_free_heap
     from tlt_jax.rl.rollout import precompile_rollouts
     from tlt_jax.rl.update import precompile_training
     print("precompiling the rollout's and the update's programs ...", file=sys.stderr)
@@ -166,7 +166,7 @@ class Run:
     count = precompile_rollouts(learner.rollout_params, learner.config, _PROMPTS.value,
                                 _MAX_PROMPT_LEN.value, learner.rollout)
     count += precompile_training(learner.state, learner.update)
-    return_free_heap()
+    host.return_free_heap()
     print(f"precompiled {count} programs in {time.perf_counter() - start:.0f} s",
           file=sys.stderr)
 
@@ -326,5 +326,5 @@ def build_run(total_steps: int) -> Run:
                                            dynamic_sampling=_DYNAMIC.value,
                                            max_rollout_batches=_MAX_BATCHES.value,
                                            seed=_SEED.value),
-                    update=context, rewards=rewards)
+                    update=context, rewards=rewards, between_phases=host.return_free_heap)
   return Run(learner=learner, val_items=data.val, model=model, spec=spec, data_counts=counts)
