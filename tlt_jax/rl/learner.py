@@ -110,7 +110,7 @@ class Learner:
     record.update(update_metrics)
 
     t = time.perf_counter()                                        # weight sync
-    self.rollout_params = self.sync_weights(self.state.params)
+    self.rollout_params = jax.block_until_ready(self.sync_weights(self.state.params))
     record["timing/sync_s"] = time.perf_counter() - t
 
     record.update(self.batch_metrics(scored, group_size))
