@@ -18,6 +18,7 @@ import time
 from absl import flags
 
 from experiments import cli
+from tlt_jax.data.rl_sources import gym_prompt
 from tlt_jax.data.tasks import build_questions, validate_tasks
 from tlt_jax.drafter.corpus import read_corpus, read_json
 from tlt_jax.errors import UserInputError
@@ -100,7 +101,8 @@ def load_or_generate_corpus(model, out_dir: str) -> dict:
 
   settings = {"model": _MODEL.value, "tasks": _TASKS.value, "num_prompts": _NUM_PROMPTS.value,
               "max_new_tokens": _MAX_NEW.value, "temperature": _TEMPERATURE.value,
-              "seed": _SEED.value}
+              "seed": _SEED.value,
+              "prompt": gym_prompt("{question}")}  # a corpus of other wording is stale
   path = os.path.join(out_dir, CORPUS)
   corpus = {"settings": settings, "samples": [], "skipped_prompts": 0, "generate_s": 0.0}
   if os.path.isfile(path):
