@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import transformers
 
-from experiments import cli, host_malloc
+from experiments import cli
 from tlt_jax.cpu import kernels as cpu_kernels
 from tlt_jax.errors import UserInputError
 from tlt_jax.models.bundled import smollm2_gguf_path
@@ -48,6 +48,7 @@ from tlt_jax.models.transformer import unstack_layers
 from tlt_jax.rollout.buckets import BucketSpec
 from tlt_jax.rollout.engine import generate
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.runtime import host
 
 PROMPT_TOKENS = 32
 NEW_TOKENS = 128
@@ -299,7 +300,7 @@ def main() -> None:
   parser.add_argument("--bench_dir", default=".bench_venvs",
                       help="peer venvs and the HF copy of SmolLM2 (as benchmarks/rl_step.py)")
   args = parser.parse_args()
-  host_malloc.reexec_with_huge_pages()   # as every entry point runs (all sides inherit it)
+  host.reexec_with_huge_pages()   # as every entry point runs (all sides inherit it)
   if args.output:
     try:
       cli.check_output_file(args.output, "--output")

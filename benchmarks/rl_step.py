@@ -43,8 +43,9 @@ from benchmarks.matmul_rate import matmul_throughput  # noqa: E402
 from benchmarks.peer_envs import ensure_hf_model, ensure_venv  # noqa: E402
 from benchmarks.report import emit  # noqa: E402
 from absl import flags  # noqa: E402
-from experiments import cli, host_malloc  # noqa: E402
+from experiments import cli  # noqa: E402
 from tlt_jax.errors import UserInputError  # noqa: E402
+from tlt_jax.runtime import host  # noqa: E402
 
 SIDES = ("project", "project_sd", "trl", "tunix")
 PEERS = ("trl", "tunix")
@@ -104,7 +105,7 @@ _SD_FLAGS = flags.DEFINE_list("sd_flags", ["--strategy=4_1_5", "--sd_threshold=1
                                            "--sd_patience=4"], "project_sd's SD flags.")
 _PEER_HUGE_PAGES = flags.DEFINE_bool(
     "peer_huge_pages", False, "Run the peers with huge-page malloc too (the project's entry "
-    "points turn it on for themselves: experiments/host_malloc.py); off: as they ship.")
+    "points turn it on for themselves: tlt_jax/runtime/host.py); off: as they ship.")
 _MATMUL_REPS = flags.DEFINE_integer("matmul_reps", 5, "Timed calls per matmul shape.",
                                     lower_bound=1)
 
@@ -215,7 +216,7 @@ def run_side(side: str, round_index: int, ctx: dict) -> list[dict]:
     cmd = project_command(side, work_dir)
   else:
     if not _PEER_HUGE_PAGES.value:
-      env["GLIBC_TUNABLES"] = host_malloc.tunables_without_huge_pages(
+      env["GLIBC_TUNABLES"] = host.tunables_without_huge_pages(
           env.get("GLIBC_TUNABLES", ""))
     cmd = peer_command(side, ctx["python"][side], ctx["hf_dir"], ctx["prompts"], work_dir)
   ctx["commands"].setdefault(side, " ".join(cmd))
