@@ -12,6 +12,7 @@ median over pairs of head / base (> 1: head is larger). Prints one JSON object.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shlex
@@ -26,6 +27,7 @@ sys.path.insert(0, REPO)
 
 from absl import flags  # noqa: E402
 
+from benchmarks import ab  # noqa: E402
 from benchmarks.report import emit  # noqa: E402
 from experiments import cli  # noqa: E402
 from tlt_jax.errors import UserInputError  # noqa: E402
@@ -75,6 +77,15 @@ def run_side(tree: str, script: list[str], out_dir: str, name: str) -> dict:
     return json.load(f)
 
 
+def side_values(side: str, tree: str, script: list[str], out_dir: str,
+                number: int) -> dict[str, float]:
+  """Round `number` of `side`: the script run in `tree`; the numbers at --fields."""
+  report = run_side(tree, script, out_dir, f"{side}_{number}")
+  values = {path: field(report, path) for path in _FIELDS.value}
+  log(f"{side} {number}: " + ", ".join(f"{p}={v:.4g}" for p, v in values.items()))
+  return values
+
+
 def main(argv):
   del argv
   script = shlex.split(_SCRIPT.value)
@@ -91,26 +102,23 @@ def main(argv):
   work = tempfile.mkdtemp(prefix="ab_commits_")
   base_tree = os.path.join(work, "base")
   git("worktree", "add", "--detach", base_tree, base_commit)
+  trees = {"base": base_tree, "head": REPO}
   try:
-    values = {"base": {p: [] for p in _FIELDS.value}, "head": {p: [] for p in _FIELDS.value}}
-    for i in range(_PAIRS.value):
-      for side, tree in (("base", base_tree), ("head", REPO)):
-        report = run_side(tree, script, work, f"{side}_{i}")
-        for path in _FIELDS.value:
-          values[side][path].append(field(report, path))
-        log(f"{side} {i}: " + ", ".join(f"{p}={values[side][p][-1]:.4g}"
-                                        for p in _FIELDS.value))
+    rounds = ab.alternate({side: functools.partial(side_values, side, tree, script, work)
+                           for side, tree in trees.items()}, _PAIRS.value, warmup=0)
   finally:
     git("worktree", "remove", "--force", base_tree)
     shutil.rmtree(work, ignore_errors=True)
+  values = {side: {p: [r[p] for r in ab.side(rounds, side)] for p in _FIELDS.value}
+            for side in trees}
   emit({
       "script": script, "pairs": _PAIRS.value, "order": "base, head, base, head ...",
       "base": base_commit[:7], "head": head_commit[:7] + ("+uncommitted" if dirty else ""),
       "fields": {p: {"base": values["base"][p], "head": values["head"][p],
                      "base_median": statistics.median(values["base"][p]),
                      "head_median": statistics.median(values["head"][p]),
-                     "head_over_base_paired_median": statistics.median(
-                         h / b for h, b in zip(values["head"][p], values["base"][p]))}
+                     "head_over_base_paired_median": ab.paired_median(values["head"][p],
+                                                                      values["base"][p])}
                  for p in _FIELDS.value},
   }, _OUTPUT.value)
 

@@ -30,6 +30,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import ab  # noqa: E402
 from benchmarks.peer_envs import PEER_PACKAGES, ensure_hf_model, ensure_venv  # noqa: E402
 from benchmarks.report import emit  # noqa: E402
 import jax
@@ -38,7 +39,7 @@ import numpy as np
 import torch
 import transformers
 
-from experiments import cli, host_malloc
+from experiments import cli
 from tlt_jax.cpu import kernels as cpu_kernels
 from tlt_jax.errors import UserInputError
 from tlt_jax.models.bundled import smollm2_gguf_path
@@ -47,6 +48,7 @@ from tlt_jax.models.transformer import unstack_layers
 from tlt_jax.rollout.buckets import BucketSpec
 from tlt_jax.rollout.engine import generate
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.runtime import host
 
 PROMPT_TOKENS = 32
 NEW_TOKENS = 128
@@ -253,7 +255,7 @@ def bench_batch(tlt_model, tlt_params, hf_model, tunix: TunixSide | None, prompt
       "agreement_row0": {f"hf_threads_{n}": agreement(tlt[-1]["tokens"][0], hf[n][-1]["tokens"][0])
                          for n in HF_THREADS},
   }
-  ratio = lambda hf_tps: [t["tokens_per_s"] / h for t, h in zip(tlt, hf_tps)]
+  ratio = lambda other_tps: ab.paired_ratios([t["tokens_per_s"] for t in tlt], other_tps)
   for n, runs in hf.items():
     tps = [h["tokens_per_s"] for h in runs]
     report[f"hf_threads_{n}"] = {"tokens_per_s": median(tps), "runs_tokens_per_s": tps,
@@ -281,7 +283,7 @@ def bench_batch(tlt_model, tlt_params, hf_model, tunix: TunixSide | None, prompt
 def roofline(batch: dict, weight_bytes: int) -> dict:
   """Batch-1 tokens/s against bandwidth / weight bytes, paired with each repeat's probe."""
   limits = [gbs * 1e9 / weight_bytes for gbs in batch["read_gb_per_s"]]
-  frac = lambda runs: median([x / lim for x, lim in zip(runs, limits)])
+  frac = lambda runs: ab.paired_median(runs, limits)
   return {"tokens_per_s": median(limits), "runs_tokens_per_s": limits,
           "tlt_fraction": frac(batch["tlt"]["runs_tokens_per_s"]),
           "tlt_decode_fraction": frac(batch["tlt"]["runs_decode_tokens_per_s"]),
@@ -298,7 +300,7 @@ def main() -> None:
   parser.add_argument("--bench_dir", default=".bench_venvs",
                       help="peer venvs and the HF copy of SmolLM2 (as benchmarks/rl_step.py)")
   args = parser.parse_args()
-  host_malloc.reexec_with_huge_pages()   # as every entry point runs (all sides inherit it)
+  host.reexec_with_huge_pages()   # as every entry point runs (all sides inherit it)
   if args.output:
     try:
       cli.check_output_file(args.output, "--output")

@@ -125,7 +125,7 @@ def _rollout_figures(runs: list, cache_length: int, speculative: bool) -> dict:
   return out
 
 
-def _measure_rollouts(params, config, spec, cache_length: int) -> dict:
+def _measure_rollouts(params, config, spec, weights, cache_length: int) -> dict:
   """Plain and SD rollouts filling a cache of `cache_length`, alternated."""
   from tlt_jax.rollout.engine import generate
   from tlt_jax.rollout.sampling import SamplingParams
@@ -141,12 +141,13 @@ def _measure_rollouts(params, config, spec, cache_length: int) -> dict:
   # timed ones run (new_programs_timed checks it).
   start = time.perf_counter()
   for s in (None, spec):
-    generate(params, config, prompts, spec=s, **args)
+    generate(params, config, prompts, spec=s, drafter=s and weights, **args)
   log(f"  L={cache_length}: warm-up (compiles) {time.perf_counter() - start:.0f}s")
   runs = {"plain": [], "sd": []}
   for repeat in range(_REPEATS.value):
     for side, s in (("plain", None), ("sd", spec)):
-      runs[side].append(generate(params, config, prompts, spec=s, **args))
+      runs[side].append(generate(params, config, prompts, spec=s, drafter=s and weights,
+                                 **args))
       log(f"  L={cache_length} {side} #{repeat}: {runs[side][-1].stats['total_s']:.1f}s")
   plain, sd = (_rollout_figures(runs[side], cache_length, side == "sd") for side in runs)
   return {"prompt_len": prompt_len, "caps": caps,
@@ -156,13 +157,14 @@ def _measure_rollouts(params, config, spec, cache_length: int) -> dict:
                                       / plain["per_token_ms_last_window"])}
 
 
-def _measure_switch_prefill(params, config, spec, cache_length: int) -> dict:
+def _measure_switch_prefill(params, config, spec, weights, cache_length: int) -> dict:
   """The SD switch's drafter prefill against the target prefill of the same rows (each of
   ~cache_length tokens), alternated; the first round compiles and is dropped."""
   import jax
   from tlt_jax.models.kv_cache import init_cache
   from tlt_jax.rollout import engine
   from tlt_jax.rollout.buckets import BucketSpec
+  from tlt_jax.rollout.drafting import DraftInputs
   from tlt_jax.rollout.sampling import SamplingParams
   from tlt_jax.rollout.speculative import cache_margin
   rows, buckets = _PREFILL_ROWS.value, BucketSpec()
@@ -184,7 +186,8 @@ def _measure_switch_prefill(params, config, spec, cache_length: int) -> dict:
     target_s.append(time.perf_counter() - start)
     start = time.perf_counter()
     jax.block_until_ready(engine.switch_to_speculation(
-        params, config, spec, state, plan, prefill_len, _ATTENTION.value, None))
+        DraftInputs(params, weights, None), config, spec.strategies, state, plan, prefill_len,
+        _ATTENTION.value, None))
     switch_s.append(time.perf_counter() - start)
   target, switch = statistics.median(target_s[1:]), statistics.median(switch_s[1:])
   return {"rows": rows, "context": context, "prefill_len": prefill_len,
@@ -196,19 +199,22 @@ def _child(cache_length: int) -> None:
   """Measures one cache length; prints its JSON on the last stdout line."""
   import jax
   import jax.numpy as jnp
-  from tlt_jax.rollout.engine import SpecConfig, place_spec
+  from tlt_jax.rollout.spec_config import SpecConfig
   from tlt_jax.rollout.strategy import SpecStrategy
+  from tlt_jax.rollout.weights import DraftWeights, place_rollout
   params, config, drafter, vocab_ids = _load(jnp)
-  spec = SpecConfig(drafter=drafter, vocab_ids=vocab_ids, threshold=1,
-                    patience=_SD_PATIENCE.value,
+  spec = SpecConfig(threshold=1, patience=_SD_PATIENCE.value,
                     strategy=SpecStrategy.parse(_STRATEGY.value, "--strategy"))
+  weights = DraftWeights(drafter, vocab_ids)
   baseline = _peak_rss_mib()
-  result = {"cache_length": cache_length, **_measure_rollouts(params, config, spec, cache_length)}
+  result = {"cache_length": cache_length,
+            **_measure_rollouts(params, config, spec, weights, cache_length)}
   # Taken before the prefill comparison, whose rows of ~L tokens are not the rollout's.
   result["memory"] = _memory(jax, baseline)
   if _PREFILL_ROWS.value:
-    placed, placed_spec = place_spec(params, config, spec, None)
-    result["switch_prefill"] = _measure_switch_prefill(placed, config, placed_spec, cache_length)
+    placed, placed_weights = place_rollout(params, config, weights, None)
+    result["switch_prefill"] = _measure_switch_prefill(placed, config, spec, placed_weights,
+                                                       cache_length)
     result["switch_prefill"]["memory"] = _memory(jax, baseline)
   print(json.dumps(result), flush=True)
 

@@ -1,6 +1,7 @@
 """The CPU's jitted fp32 matmul rate at a model's training shapes: what a train phase's
-FLOP rate is held against (benchmarks/rl_step.py, benchmarks/train_microbatch.py), and the
-time of every matmul a training micro-batch must do, forward and backward: its floor."""
+FLOP rate is held against (benchmarks/rl_step.py, benchmarks/research/train_microbatch.py),
+and the time of every matmul a training micro-batch must do, forward and backward: its
+floor."""
 from __future__ import annotations
 
 import time

@@ -11,19 +11,19 @@ at once. Variants:
   plain; learned (the drafter alone); ngram_prompt (each row's own prompt and text);
   ngram_siblings (+ the group's other samples); ngram_epoch (+ an earlier epoch's responses
   to the prompt: a plain rollout of the same groups at another seed); hybrid (the learned
-  drafter and ngram_epoch's context, each row picking per verify step); hybrid_merge (the
-  same sources, one verify tree per step holding both chains under the same budget).
+  drafter and ngram_epoch's context, each row picking per verify step).
 After precompiling every variant's programs and one warm-up of each, a round runs every
 variant once, in turn (alternated), --repeats rounds. Per variant: medians of tokens/s and
 accept length, and the median over rounds of its tokens/s over plain's in the same round
 (paired ratios); its verify step's time (`step_ms_median`, from SD chunks at the full
 batch, which span about the same contexts for every variant: the prompt to the first
 row's end) and the drafter's time in model-free steps (`draft_cost_measured`, the d of
-benchmarks/model_free_ceiling.py's hybrid bound, when both verify the same chain).
+benchmarks/research/model_free_ceiling.py's hybrid bound, when both verify the same chain).
 `goals` checks issue 17's targets at each setting.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -33,7 +33,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import questions  # noqa: E402
+from benchmarks import ab, questions  # noqa: E402
 from benchmarks.report import emit  # noqa: E402
 from absl import flags  # noqa: E402
 from experiments import cli  # noqa: E402
@@ -62,14 +62,12 @@ _VARIANTS = flags.DEFINE_list("variants", None, "Run only these variants (plain 
 _PROMPTS = flags.DEFINE_integer("prompts", None, "Prompts (groups); default enough for the "
                                 "largest batch, at least 1.", lower_bound=1)
 
-VARIANTS = ("plain", "learned", "ngram_prompt", "ngram_siblings", "ngram_epoch", "hybrid",
-            "hybrid_merge")
+VARIANTS = ("plain", "learned", "ngram_prompt", "ngram_siblings", "ngram_epoch", "hybrid")
 # What each variant's rows draft from: (drafter kind, the group's rows, earlier siblings'
 # and an earlier epoch's responses).
 _SOURCES = {"plain": (None, False, False), "learned": ("learned", False, False),
             "ngram_prompt": ("ngram", False, False), "ngram_siblings": ("ngram", True, False),
-            "ngram_epoch": ("ngram", True, True), "hybrid": ("hybrid", True, True),
-            "hybrid_merge": ("hybrid_merge", True, True)}
+            "ngram_epoch": ("ngram", True, True), "hybrid": ("hybrid", True, True)}
 
 
 def log(message: str) -> None:
@@ -123,8 +121,8 @@ def full_chunk_seconds(stats: dict, batch: int) -> list[float]:
 def goals(entry: dict, rounds: list[dict], temperature: float, batch: int) -> dict:
   """Issue 17's targets at one setting, those whose variants ran; speeds compared as the
   median over rounds of the two variants' tokens/s ratio in the same round."""
-  paired = lambda a, b: statistics.median(r[a]["tokens_per_s"] / r[b]["tokens_per_s"]
-                                          for r in rounds)
+  paired = lambda a, b: ab.paired_median([r[a]["tokens_per_s"] for r in rounds],
+                                         [r[b]["tokens_per_s"] for r in rounds])
   ran = lambda *vs: all(v in entry for v in vs)
   out = {}
   if ran("hybrid", "learned", "ngram_epoch"):
@@ -135,8 +133,6 @@ def goals(entry: dict, rounds: list[dict], temperature: float, batch: int) -> di
     out["hybrid_over_learned"] = paired("hybrid", "learned")
     if batch >= 4:
       out["hybrid_ge_1.2x_learned"] = out["hybrid_over_learned"] >= 1.2
-  if ran("hybrid", "hybrid_merge"):
-    out["hybrid_over_hybrid_merge"] = paired("hybrid", "hybrid_merge")
   if temperature == 1 and ran("ngram_siblings"):
     out["ngram_siblings_accept_ge_2"] = entry["ngram_siblings"]["accept_len_median"] >= 2.0
   return out
@@ -153,12 +149,14 @@ def main(argv):
   from tlt_jax.errors import UserInputError
   from tlt_jax.models.loading import load_model
   from tlt_jax.models.transformer import unstack_layers
-  from tlt_jax.rollout.engine import SpecConfig, generate
-  from tlt_jax.rollout.hybrid import HybridConfig, PickMemory
+  from tlt_jax.rollout.engine import generate
+  from tlt_jax.rollout.hybrid import HybridConfig
   from tlt_jax.rollout.ngram import NgramConfig
   from tlt_jax.rollout.precompile import precompile
   from tlt_jax.rollout.sampling import SamplingParams
+  from tlt_jax.rollout.spec_config import SpecConfig, SpecMemory
   from tlt_jax.rollout.strategy import SpecStrategy
+  from tlt_jax.rollout.weights import DraftWeights
 
   batches = [int(b) for b in _BATCHES.value]
   variants = VARIANTS if _VARIANTS.value is None else ("plain",) + tuple(
@@ -184,26 +182,26 @@ def main(argv):
   params = unstack_layers(model.params)   # the rollout's layout, once for every rollout
   tokenizer = model.tokenizer
   drafter, vocab_ids = load_drafter(_DRAFTER.value, model.config)
-  vocab_ids = None if vocab_ids is None else jnp.asarray(vocab_ids)
+  weights = DraftWeights(drafter, None if vocab_ids is None else jnp.asarray(vocab_ids))
   eos = tuple(tokenizer.eos_token_ids)
   prompts = [tokenizer.chat_prompt(q) for q in asked]
   ngram_config = NgramConfig(max_ngram=_MAX_NGRAM.value)
   sd = dict(strategy=strategy, patience=0)
-  # A picking hybrid carries its batch counts from one call of a setting to the next.
-  hybrid = lambda batch, merge: SpecConfig(
-      drafter=drafter, vocab_ids=vocab_ids, ngram_config=ngram_config,
-      hybrid=HybridConfig(draft_cost=_DRAFT_COST.value, merge=merge), threshold=batch,
-      pick_memory=None if merge else PickMemory(), **sd)
+  # Per kind: the SD config, the drafter weights it needs and its memory, which carries a
+  # picking hybrid's batch counts from one call of a setting to the next.
+  with_memory = lambda spec, drafter: dict(spec=spec, drafter=drafter, memory=SpecMemory(spec))
   make_specs = lambda batch: {
-      "plain": None,
-      "learned": SpecConfig(drafter=drafter, vocab_ids=vocab_ids, threshold=batch, **sd),
-      "ngram": SpecConfig(ngram_config=ngram_config, threshold=batch, patience=0,
-                          strategy=ngram_strategy),
-      "hybrid": hybrid(batch, False), "hybrid_merge": hybrid(batch, True)}
+      "plain": dict(spec=None),
+      "learned": dict(spec=SpecConfig(threshold=batch, **sd), drafter=weights),
+      "ngram": dict(spec=SpecConfig(kind="ngram", ngram_config=ngram_config, threshold=batch,
+                                    patience=0, strategy=ngram_strategy)),
+      "hybrid": with_memory(SpecConfig(
+          kind="hybrid", ngram_config=ngram_config, threshold=batch,
+          hybrid=HybridConfig(draft_cost=_DRAFT_COST.value), **sd), weights)}
 
   def rollout_args(call, kind, siblings, use_epoch, done, epoch, batch):
     args = dict(max_new_tokens=_NEW_TOKENS.value, eos_ids=eos, chunk_steps=_CHUNK_STEPS)
-    if kind in ("ngram", "hybrid", "hybrid_merge"):
+    if kind in ("ngram", "hybrid"):
       args["group_ids"], args["draft_context"] = draft_inputs(
           call, done, epoch if use_epoch else None, group, siblings, batch)
     return args
@@ -211,7 +209,8 @@ def main(argv):
   def run(variant, batch, sampling, seed, epoch, specs, compile_only=False):
     """One variant's rollouts of the setting, in turn: seconds, tokens, accept, shares."""
     kind, siblings, use_epoch = _SOURCES[variant]
-    spec = specs[kind or "plain"]
+    sd_args = specs[kind or "plain"]
+    spec = sd_args["spec"]
     done, seconds, tokens, steps, emitted, new_programs = {}, 0.0, 0, 0, 0.0, 0
     learned_steps, chunk_seconds = 0.0, []
     for k, call in enumerate(calls_of(num_prompts, group, batch)):
@@ -219,14 +218,14 @@ def main(argv):
       args = rollout_args(call, kind, siblings, use_epoch, done, epoch, batch)
       if compile_only:
         new_programs += precompile(params, model.config, rows, sampling=sampling,
-                                   spec=spec, **args)
+                                   spec=spec, drafter=sd_args.get("drafter"), **args)
         # Full-length stand-ins: the draft pool's length bucket depends on the text lengths
         # (a shorter real response can land in a smaller bucket: counted in new_programs).
         done.update({row: [0] * _NEW_TOKENS.value for row in call})
         continue
       start = time.perf_counter()
       result = generate(params, model.config, rows, sampling=sampling,
-                        seed=seed * 1000 + k, spec=spec, **args)
+                        seed=seed * 1000 + k, **sd_args, **args)
       seconds += time.perf_counter() - start
       stats = result.stats
       tokens += stats["generated_tokens"]
@@ -274,17 +273,18 @@ def main(argv):
       if _PRECOMPILE.value:
         compiled = sum(run(v, batch, sampling, 0, epoch, specs, compile_only=True)
                        ["new_programs"] for v in variants)
-      for v in variants:       # warm-up
-        run(v, batch, sampling, 0, epoch, specs)
-      rounds = [{v: run(v, batch, sampling, 1 + r, epoch, specs) for v in variants}
-                for r in range(_REPEATS.value)]
+      # A warm-up round, then every variant in turn, each round's number its seed.
+      rounds = ab.alternate({v: functools.partial(run, v, batch, sampling, epoch=epoch,
+                                                  specs=specs) for v in variants},
+                            _REPEATS.value)
       entry = {"temperature": temperature, "batch": batch, "precompiled_programs": compiled,
                "new_programs_timed": sum(x["new_programs"] for r in rounds for x in r.values())}
       for v in variants:
         runs = [r[v] for r in rounds]
         entry[v] = {"tokens_per_s_median": statistics.median(x["tokens_per_s"] for x in runs),
-                    "speedup_paired_median": statistics.median(
-                        r[v]["tokens_per_s"] / r["plain"]["tokens_per_s"] for r in rounds),
+                    "speedup_paired_median": ab.paired_median(
+                        [x["tokens_per_s"] for x in runs],
+                        [x["tokens_per_s"] for x in ab.side(rounds, "plain")]),
                     # Nonzero: a timed run compiled (its figures measure the compiler too).
                     "new_programs_timed": sum(x["new_programs"] for x in runs)}
         if "accept_len" in runs[0]:
@@ -299,8 +299,9 @@ def main(argv):
       timed_rounds = [r for r in rounds if all("step_ms" in r.get(v, {})
                                                for v in ("learned", "ngram_epoch"))]
       if timed_rounds and ngram_strategy == strategy:
-        entry["draft_cost_measured"] = statistics.median(
-            r["learned"]["step_ms"] / r["ngram_epoch"]["step_ms"] - 1 for r in timed_rounds)
+        entry["draft_cost_measured"] = ab.paired_median(
+            [r["learned"]["step_ms"] for r in timed_rounds],
+            [r["ngram_epoch"]["step_ms"] for r in timed_rounds]) - 1
       entry["goals"] = goals(entry, rounds, temperature, batch)
       log(json.dumps(entry))
       report["settings"].append(entry)

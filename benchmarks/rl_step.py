@@ -25,6 +25,7 @@ read off. One JSON object on stdout (and in --output_json).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -37,12 +38,14 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks import ab  # noqa: E402
 from benchmarks.matmul_rate import matmul_throughput  # noqa: E402
 from benchmarks.peer_envs import ensure_hf_model, ensure_venv  # noqa: E402
 from benchmarks.report import emit  # noqa: E402
 from absl import flags  # noqa: E402
-from experiments import cli, host_malloc  # noqa: E402
+from experiments import cli  # noqa: E402
 from tlt_jax.errors import UserInputError  # noqa: E402
+from tlt_jax.runtime import host  # noqa: E402
 
 SIDES = ("project", "project_sd", "trl", "tunix")
 PEERS = ("trl", "tunix")
@@ -102,7 +105,7 @@ _SD_FLAGS = flags.DEFINE_list("sd_flags", ["--strategy=4_1_5", "--sd_threshold=1
                                            "--sd_patience=4"], "project_sd's SD flags.")
 _PEER_HUGE_PAGES = flags.DEFINE_bool(
     "peer_huge_pages", False, "Run the peers with huge-page malloc too (the project's entry "
-    "points turn it on for themselves: experiments/host_malloc.py); off: as they ship.")
+    "points turn it on for themselves: tlt_jax/runtime/host.py); off: as they ship.")
 _MATMUL_REPS = flags.DEFINE_integer("matmul_reps", 5, "Timed calls per matmul shape.",
                                     lower_bound=1)
 
@@ -213,7 +216,7 @@ def run_side(side: str, round_index: int, ctx: dict) -> list[dict]:
     cmd = project_command(side, work_dir)
   else:
     if not _PEER_HUGE_PAGES.value:
-      env["GLIBC_TUNABLES"] = host_malloc.tunables_without_huge_pages(
+      env["GLIBC_TUNABLES"] = host.tunables_without_huge_pages(
           env.get("GLIBC_TUNABLES", ""))
     cmd = peer_command(side, ctx["python"][side], ctx["hf_dir"], ctx["prompts"], work_dir)
   ctx["commands"].setdefault(side, " ".join(cmd))
@@ -300,8 +303,9 @@ def paired(project_rounds: dict, peer_rounds: dict) -> dict:
   """Per round: peer median / project median (> 1: the project is faster), and their median."""
   out = {}
   for key in ("rollout_s", "reference_s", "train_s", "step_s"):
-    ratios = [peer[key] / mine[key] for mine, peer in zip(project_rounds, peer_rounds)
-              if mine.get(key) and peer.get(key)]
+    both = [(peer[key], mine[key]) for mine, peer in zip(project_rounds, peer_rounds)
+            if mine.get(key) and peer.get(key)]
+    ratios = ab.paired_ratios([p for p, _ in both], [m for _, m in both])
     out[key] = {"per_round": ratios, "median": statistics.median(ratios) if ratios else None}
   return out
 
@@ -343,10 +347,10 @@ def main(argv):
   log("matmul throughput (start)")
   matmul_start = matmul_throughput(config, _PROJECT_MICRO_ROWS.value * seq_len,
                                    _MATMUL_REPS.value)
-  rounds: dict[str, list[list[dict]]] = {side: [] for side in sides}
-  for r in range(_REPEATS.value):
-    for side in sides:
-      rounds[side].append(run_side(side, r, ctx))
+  # A B C A B C ...: each run is a fresh process with warm-up steps of its own.
+  alternated = ab.alternate({side: functools.partial(run_side, side, ctx=ctx)
+                             for side in sides}, _REPEATS.value, warmup=0)
+  rounds = {side: ab.side(alternated, side) for side in sides}
   log("matmul throughput (end)")
   matmul_end = matmul_throughput(config, _PROJECT_MICRO_ROWS.value * seq_len,
                                    _MATMUL_REPS.value)

@@ -18,6 +18,7 @@ benchmarks/gpu_check.sh).
 """
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -28,7 +29,7 @@ import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import questions  # noqa: E402
+from benchmarks import ab, questions  # noqa: E402
 from benchmarks.report import emit  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402
@@ -115,10 +116,12 @@ def main(argv):
   from tlt_jax.drafter.trainer import load_drafter
   from tlt_jax.models.loading import load_model
   from tlt_jax.models.transformer import unstack_layers
-  from tlt_jax.rollout.engine import SpecConfig, generate
+  from tlt_jax.rollout.engine import generate
   from tlt_jax.rollout.precompile import precompile
   from tlt_jax.rollout.sampling import SamplingParams
-  from tlt_jax.rollout.bandit import BanditConfig, StrategyBandit, parse_strategies
+  from tlt_jax.rollout.bandit import BanditConfig, parse_strategies
+  from tlt_jax.rollout.spec_config import SpecConfig, SpecMemory
+  from tlt_jax.rollout.weights import DraftWeights
 
   # Parts 1-2 need 64 (batch 16 and the long tail's rows); part 3 its own task mix.
   asked = questions.load({
@@ -131,20 +134,27 @@ def main(argv):
   tokenizer = model.tokenizer
   drafter, vocab_ids = load_drafter(_DRAFTER.value, model.config)
   vocab_ids = None if vocab_ids is None else jnp.asarray(vocab_ids)
+  weights = DraftWeights(drafter, vocab_ids)
+  # Each setting's SD memory (its bandit learns across that setting's rollouts), by spec;
+  # the specs are kept with them, so an id is never reused.
+  memories = {}
+  memory_of = lambda spec: None if spec is None else memories.setdefault(
+      id(spec), (spec, SpecMemory(spec)))[1]
+  drafter_of = lambda spec: None if spec is None else weights
   eos = tuple(tokenizer.eos_token_ids)
   prompts = [tokenizer.chat_prompt(q) for q in asked["main"]]
 
   def spec_for(strategy, threshold, patience, flag):
     strategies = parse_strategies(strategy, flag)
     choice = (dict(strategy=strategies[0]) if len(strategies) == 1
-              else dict(bandit=StrategyBandit(BanditConfig(strategies, seed=_SEED.value))))
-    return SpecConfig(drafter=drafter, vocab_ids=vocab_ids, threshold=threshold,
-                      patience=patience, **choice)
+              else dict(bandit=BanditConfig(strategies, seed=_SEED.value)))
+    return SpecConfig(threshold=threshold, patience=patience, **choice)
 
   def timed(batch_prompts, sampling, spec, max_new, seed):
     start = time.perf_counter()
     result = generate(params, model.config, batch_prompts, max_new_tokens=max_new,
                       sampling=sampling, eos_ids=eos, seed=seed, spec=spec,
+                      drafter=drafter_of(spec), memory=memory_of(spec),
                       attention_impl=_ATTENTION.value)
     return time.perf_counter() - start, result
 
@@ -170,18 +180,17 @@ def main(argv):
       return 0
     return sum(precompile(params, model.config, batch_prompts, max_new_tokens=max_new,
                           sampling=sampling, eos_ids=eos, spec=side,
+                          drafter=drafter_of(side),
                           attention_impl=_ATTENTION.value)
                for batch_prompts in rollouts for side in (None, spec))
 
   def alternate(batch_prompts, sampling, spec, max_new, repeats, run=timed):
-    """Warm-up both sides, then A B A B ...; returns per-side lists of (seconds, result)."""
-    run(batch_prompts, sampling, None, max_new, 0)
-    run(batch_prompts, sampling, spec, max_new, 0)
-    plain, sd = [], []
-    for r in range(repeats):
-      plain.append(run(batch_prompts, sampling, None, max_new, 1 + r))
-      sd.append(run(batch_prompts, sampling, spec, max_new, 1 + r))
-    return plain, sd
+    """Warm-up both sides, then A B A B ... (each round's number its seed); returns
+    per-side lists of (seconds, result)."""
+    rounds = ab.alternate(
+        {side: functools.partial(run, batch_prompts, sampling, side_spec, max_new)
+         for side, side_spec in (("plain", None), ("sd", spec))}, repeats)
+    return ab.side(rounds, "plain"), ab.side(rounds, "sd")
 
   def release_programs():
     """Drops earlier settings' compiled programs: each setting, the long tail and each
@@ -224,12 +233,12 @@ def main(argv):
                                   _REPEATS.value)
           # Throughput ratio: under sampling the two sides draw different tokens (and EOS at
           # different times), so their wall times cover different amounts of work.
-          ratios = [s[1].stats["tokens_per_s"] / p[1].stats["tokens_per_s"]
-                    for p, s in zip(plain, sd)]
+          speedup = ab.paired_median([s[1].stats["tokens_per_s"] for s in sd],
+                                     [p[1].stats["tokens_per_s"] for p in plain])
           entry = {"batch": batch, "temperature": temperature, "strategy": strategy,
                    "prompts": _BATCH1_PROMPTS.value if batch == 1 else batch,
                    "plain": summary(plain), "sd": summary(sd),
-                   "speedup_paired_median": statistics.median(ratios),
+                   "speedup_paired_median": speedup,
                    "precompiled_programs": precompiled,
                    "new_programs_timed": sum(r[1].stats["compile/new_programs"]
                                              for r in plain + sd)}
@@ -248,7 +257,8 @@ def main(argv):
     precompile_start = time.perf_counter()
     precompiled = {side: precompile(params, model.config, tail_prompts,
                                     max_new_tokens=caps, sampling=sampling, eos_ids=eos,
-                                    spec=spec, attention_impl=_ATTENTION.value)
+                                    spec=spec, drafter=drafter_of(spec),
+                                    attention_impl=_ATTENTION.value)
                    if _PRECOMPILE.value else 0
                    for side, spec in (("plain", None), ("adaptive_sd", tail_spec))}
     log(f"precompiled {precompiled} programs in {time.perf_counter() - precompile_start:.0f}s")
@@ -265,13 +275,14 @@ def main(argv):
                          "p90": lengths[int(len(lengths) * .9)], "max": lengths[-1]},
         "plain": summary(plain), "adaptive_sd": summary(sd),
         "sd_enabled_frac": sd[-1][1].stats.get("spec/enabled_frac"),
-        "speedup_paired_median": statistics.median(p[0] / s[0] for p, s in zip(plain, sd)),
+        "speedup_paired_median": ab.paired_median([p[0] for p in plain], [s[0] for s in sd]),
         "plain_wall_frac_at_threshold": statistics.median(
             _tail_share(p[1].stats, _TAIL_THRESHOLD.value) for p in plain),
         "sd_strategy_chunks": sd[-1][1].stats["spec/strategy_chunks"],
         "precompiled_programs": precompiled,
         "new_programs_timed": sum(r[1].stats["compile/new_programs"] for r in plain + sd),
-        "bandit": None if tail_spec.bandit is None else tail_spec.bandit.summary(),
+        "bandit": (None if tail_spec.bandit is None
+                   else memory_of(tail_spec).bandit.summary()),
         "live_rows_plain": plain[-1][1].stats["rollout/live_rows"],
         "live_rows_sd": sd[-1][1].stats["rollout/live_rows"],
     }
@@ -286,7 +297,7 @@ def main(argv):
         result = generate(params, model.config, accept_prompts,
                           max_new_tokens=_NEW_TOKENS.value,
                           sampling=SamplingParams(temperature=temperature), eos_ids=eos,
-                          seed=1, attention_impl=_ATTENTION.value,
+                          seed=1, attention_impl=_ATTENTION.value, drafter=weights,
                           spec=spec_for(strategy, len(accept_prompts), 0, "--accept_strategies"))
         entry = {"temperature": temperature, "strategy": strategy,
                  "prompts": len(accept_prompts), "tasks": _ACCEPT_TASKS,

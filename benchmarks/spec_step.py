@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import flags  # noqa: E402
 
-from benchmarks import questions  # noqa: E402
+from benchmarks import ab, questions  # noqa: E402
 from benchmarks.report import emit  # noqa: E402
 from experiments import cli  # noqa: E402
 from tlt_jax.errors import UserInputError  # noqa: E402
@@ -79,8 +79,9 @@ def main(argv):
   from tlt_jax.models.loading import load_model
   from tlt_jax.models.transformer import unstack_layers
   from tlt_jax.rollout import engine, speculative
-  from tlt_jax.rollout.engine import SpecConfig, generate
-  from tlt_jax.rollout.ngram import NgramConfig
+  from tlt_jax.rollout.engine import generate
+  from tlt_jax.rollout.spec_config import SpecConfig
+  from tlt_jax.rollout.weights import DraftWeights
   from tlt_jax.rollout.sampling import SamplingParams
 
   model = load_model("smollm2", dtype=jnp.float32)
@@ -89,21 +90,22 @@ def main(argv):
   asked = questions.load({"main": (questions.MAIN_TASKS, 1, _SEED.value)})["main"]
   prompt = model.tokenizer.chat_prompt(asked[0])
   sampling = SamplingParams(temperature=_TEMPERATURE.value)
-  kinds = {"learned": dict(drafter=drafter, vocab_ids=jnp.asarray(vocab_ids)),
-           "ngram": dict(ngram_config=NgramConfig())}
+  # Each kind's SD config fields and drafter weights.
+  kinds = {"learned": ({}, DraftWeights(drafter, jnp.asarray(vocab_ids))),
+           "ngram": ({"kind": "ngram"}, None)}
   report = {"model": "smollm2 (fp32)", "strategy": strategy.name,
             "temperature": _TEMPERATURE.value, "chunk_steps": _CHUNK_STEPS.value,
             "repeats": _REPEATS.value, "batches": []}
   for batch in batches:
     kept = {}
-    for kind, source in kinds.items():
+    for kind, (fields, weights) in kinds.items():
       print(f"batch {batch}, {kind}: rollout to its first SD chunk", file=sys.stderr,
             flush=True)
       with first_chunk_kept(engine.speculative, kept, kind):
         generate(params, config, [prompt] * batch, max_new_tokens=8 * _CHUNK_STEPS.value,
                  sampling=sampling, eos_ids=tuple(model.tokenizer.eos_token_ids), seed=0,
-                 spec=SpecConfig(strategy=strategy, threshold=batch, patience=0, **source),
-                 group_ids=[0] * batch)
+                 spec=SpecConfig(strategy=strategy, threshold=batch, patience=0, **fields),
+                 drafter=weights, group_ids=[0] * batch)
 
     def chunk(kind):
       args, state, kwargs = kept[kind]
@@ -114,16 +116,14 @@ def main(argv):
       seconds = time.perf_counter() - start   # the step count is read off the clock
       return seconds, int(jnp.max(out.spec_steps - kept[kind][1].spec_steps))
 
-    for kind in kinds:   # compile
-      chunk(kind)
-    times, steps = {kind: [] for kind in kinds}, {}
-    for _ in range(_REPEATS.value):
-      for kind in kinds:
-        seconds, steps[kind] = chunk(kind)
-        times[kind].append(seconds * 1e3 / steps[kind])
+    # A warm-up round (it compiles), then the kinds in turn.
+    rounds = ab.alternate({kind: lambda _, kind=kind: chunk(kind) for kind in kinds},
+                          _REPEATS.value)
     report["batches"].append({"batch": batch, **{
-        kind: {"ms_per_step_median": statistics.median(t), "steps_per_chunk": steps[kind]}
-        for kind, t in times.items()}})
+        kind: {"ms_per_step_median": statistics.median(
+                   seconds * 1e3 / steps for seconds, steps in ab.side(rounds, kind)),
+               "steps_per_chunk": rounds[-1][kind][1]}
+        for kind in kinds}})
   emit(report, _OUTPUT.value)
 
 

@@ -4,8 +4,9 @@ Each takes what the model hands it: the cache in its own layout, read in place, 
 new tokens' keys as a block of their own.
 
 On GPU the kernels are compiled; on CPU Pallas runs in interpret mode, which checks
-correctness but says nothing about kernel speed. Implementations are timed in alternating
-order within each repeat so machine noise hits all alike; medians are reported.
+correctness but says nothing about kernel speed. Implementations are timed in turn, the order
+reversed every other repeat (benchmarks/ab.py), so machine noise hits all alike; medians
+are reported.
 
   .venv/bin/python benchmarks/tree_attention.py [--batch 8] [--cache-len 1024] [--output f.json]
 """
@@ -20,6 +21,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import ab  # noqa: E402
 from benchmarks.report import emit  # noqa: E402
 import jax
 import jax.numpy as jnp
@@ -76,11 +78,9 @@ def main() -> None:
     impls["triton"] = jax.jit(tree_attention_triton)
   inputs = tree_inputs(args, jnp.dtype(args.dtype))
   outputs = {name: fn(*inputs).block_until_ready() for name, fn in impls.items()}  # compile
-  samples = {name: [] for name in impls}
-  for repeat in range(args.repeats):
-    order = list(impls) if repeat % 2 == 0 else list(reversed(impls))
-    for name in order:
-      samples[name].append(seconds_per_call(impls[name], inputs, args.calls))
+  rounds = ab.alternate({name: lambda _, fn=fn: seconds_per_call(fn, inputs, args.calls)
+                         for name, fn in impls.items()}, args.repeats, warmup=0, mirror=True)
+  samples = {name: ab.side(rounds, name) for name in impls}
   reference_ms = statistics.median(samples["reference"]) * 1e3
   result = {
       "backend": jax.default_backend(),

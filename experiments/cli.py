@@ -5,14 +5,14 @@ import json
 import logging as std_logging
 import os
 import sys
-import tempfile
 import warnings
 from typing import Any, Callable
 
 from absl import app, flags, logging
 
-from experiments import host_malloc
 from tlt_jax.errors import UserInputError
+from tlt_jax.files import atomic_file
+from tlt_jax.runtime import host
 
 EXIT_USAGE = 2
 
@@ -52,8 +52,8 @@ def _quiet_unraisable(unraisable) -> None:
 def run(main: Callable[[list[str]], Any]) -> None:
   """`app.run` with bad flags, `UserInputError`s and I/O failures (a full disk, a
   read-only dir) reported as one line, exit code 2; the process first restarts itself with
-  huge-page malloc (`host_malloc`)."""
-  host_malloc.reexec_with_huge_pages()
+  huge-page malloc (`host.reexec_with_huge_pages`)."""
+  host.reexec_with_huge_pages()
 
   def guarded(argv):
     if len(argv) > 1:
@@ -106,11 +106,5 @@ def write_json_atomic(path: str, payload: Any) -> None:
   directory = os.path.dirname(os.path.abspath(path))
   if not os.path.isdir(directory):
     raise UserInputError(f"{path}: directory {directory} does not exist")
-  fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
-  try:
-    with os.fdopen(fd, "w") as f:
-      json.dump(payload, f, indent=1)
-    os.replace(tmp, path)
-  except BaseException:
-    os.unlink(tmp)
-    raise
+  with atomic_file(path) as f:
+    json.dump(payload, f, indent=1)

@@ -13,6 +13,7 @@ from absl import flags
 
 from experiments import sd_flags
 from tlt_jax.errors import UserInputError
+from tlt_jax.runtime import host
 
 # ---- model and data
 _MODEL = flags.DEFINE_string("model", "smollm2", "Policy: HF dir, converted checkpoint dir, "
@@ -33,7 +34,9 @@ _ON_BAD_ROW = flags.DEFINE_enum("on_bad_row", "fail", ["fail", "skip"], "A data 
                                 "missing or malformed field: stop, or skip and count it.")
 # ---- rewards
 _REWARD = flags.DEFINE_string("reward", "reasoning_gym", "Registered reward name "
-                              "(math_verify, reasoning_gym, ...) or module.path:function.")
+                              "(math_verify, reasoning_gym, ...) or module.path:function, "
+                              "called as fn(response, ground_truth, data_source, extra_info) "
+                              "-> float.")
 _FORMAT_WEIGHT = flags.DEFINE_float("format_weight", 0.0, "Weight of the format reward.")
 _REWARD_WORKERS = flags.DEFINE_integer("reward_workers", 2, "Reward processes.", lower_bound=1)
 _REWARD_TIMEOUT = flags.DEFINE_float("reward_timeout_s", 10.0, "Per-item scoring limit; a "
@@ -139,7 +142,6 @@ class Run:
     """`--precompile`: every program a step can dispatch, compiled now."""
     if not _PRECOMPILE.value:
       return
-    from tlt_jax.rl.learner import return_free_heap
     from tlt_jax.rl.rollout import precompile_rollouts
     from tlt_jax.rl.update import precompile_training
     print("precompiling the rollout's and the update's programs ...", file=sys.stderr)
@@ -148,7 +150,7 @@ class Run:
     count = precompile_rollouts(learner.rollout_params, learner.config, _PROMPTS.value,
                                 _MAX_PROMPT_LEN.value, learner.rollout, learner.drafter)
     count += precompile_training(learner.state, learner.update)
-    return_free_heap()
+    host.return_free_heap()
     print(f"precompiled {count} programs in {time.perf_counter() - start:.0f} s",
           file=sys.stderr)
 
@@ -287,5 +289,6 @@ def build_run(total_steps: int) -> Run:
                                            dynamic_sampling=_DYNAMIC.value,
                                            max_rollout_batches=_MAX_BATCHES.value,
                                            seed=_SEED.value),
-                    update=context, rewards=rewards, drafter=drafter)
+                    update=context, rewards=rewards, drafter=drafter,
+                    between_phases=host.return_free_heap)
   return Run(learner=learner, val_items=data.val, model=model, spec=spec, data_counts=counts)

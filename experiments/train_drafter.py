@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import time
 
 from absl import flags
 
 from experiments import cli
+from tlt_jax.data.rl_sources import gym_prompt
 from tlt_jax.data.tasks import build_questions, validate_tasks
 from tlt_jax.drafter.corpus import read_corpus, read_json
 from tlt_jax.errors import UserInputError
+from tlt_jax.files import atomic_file
 
 _MODEL = flags.DEFINE_string("model", "smollm2", "HF dir, converted checkpoint dir, .gguf file, "
                              "or 'smollm2'.")
@@ -100,7 +101,8 @@ def load_or_generate_corpus(model, out_dir: str) -> dict:
 
   settings = {"model": _MODEL.value, "tasks": _TASKS.value, "num_prompts": _NUM_PROMPTS.value,
               "max_new_tokens": _MAX_NEW.value, "temperature": _TEMPERATURE.value,
-              "seed": _SEED.value}
+              "seed": _SEED.value,
+              "prompt": gym_prompt("{question}")}  # a corpus of other wording is stale
   path = os.path.join(out_dir, CORPUS)
   corpus = {"settings": settings, "samples": [], "skipped_prompts": 0, "generate_s": 0.0}
   if os.path.isfile(path):
@@ -175,9 +177,8 @@ def _cached_rows_hidden(out_dir: str, split: str, key: dict, compute):
     if read_json(stem + ".json") == key:
       return np.load(stem + ".npy", mmap_mode="r")
   hidden = compute()
-  with tempfile.NamedTemporaryFile(dir=out_dir, suffix=".npy", delete=False) as f:
+  with atomic_file(stem + ".npy", "wb") as f:
     np.save(f, hidden)
-  os.replace(f.name, stem + ".npy")
   cli.write_json_atomic(stem + ".json", key)
   return hidden
 

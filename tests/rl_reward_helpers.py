@@ -34,3 +34,19 @@ def failing_warmup() -> None:
 def bad_warmup_reward(response: str, ground_truth: str, data_source: str,
                       extra_info: dict) -> float:
   return 0.0
+
+
+def two_arguments(response: str, ground_truth: str) -> float:
+  """Not a reward: too few parameters (refused before the run)."""
+  return 0.0
+
+
+def needs_keyword(response: str, ground_truth: str, data_source: str, extra_info: dict, *,
+                  scale: float) -> float:
+  """Not a reward: a required keyword the pool never passes (refused before the run)."""
+  return scale
+
+
+def takes_anything(*args, **kwargs) -> float:
+  """A reward by its signature: any four positional arguments bind."""
+  return 0.0

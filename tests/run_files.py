@@ -33,6 +33,7 @@ LONGEST_FIRST = ("test_speculative.py",         # 590
                  "test_drafter_training.py",    # 440
                  "test_rl_run_cli.py",          # 340
                  "test_precompile.py",          # 290
+                 "test_rl_run_sd_cli.py",       # 270
                  "test_generate_sd_cli.py",     # 240
                  "test_rl_bad_input.py",        # 220
                  "test_speculative_smollm2.py")  # 210

@@ -1,5 +1,5 @@
-"""Entry points restart once with huge-page malloc, keeping the pid, arguments and a user's
-own setting."""
+"""tlt_jax.runtime.host: entry points restart once with huge-page malloc, keeping the pid,
+arguments and a user's own setting; freed heap goes back to the OS on request."""
 import json
 import os
 import subprocess
@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from experiments import host_malloc
+from tlt_jax.runtime import host
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,7 +21,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("glibc.malloc.hugetlbx=1", "glibc.malloc.hugetlbx=1:glibc.malloc.hugetlb=1"),
 ])
 def test_tunables_add_huge_pages_unless_the_user_chose(given, expected):
-  assert host_malloc.tunables_with_huge_pages(given) == expected
+  assert host.tunables_with_huge_pages(given) == expected
+
+
+def test_return_free_heap_is_safe_to_call_anywhere():
+  host.return_free_heap()  # glibc's malloc_trim, or nothing without glibc
 
 
 ENTRY = textwrap.dedent("""
@@ -48,7 +52,7 @@ def _run_entry(tmp_path, env_tunables):
   return proc.pid, json.loads(out)
 
 
-@pytest.mark.skipif(not host_malloc.huge_pages_available(),
+@pytest.mark.skipif(not host.huge_pages_available(),
                     reason="the kernel has no transparent huge pages (always or madvise)")
 def test_entry_point_restarts_in_place_with_the_tunable(tmp_path):
   pid, seen = _run_entry(tmp_path, None)

@@ -310,11 +310,11 @@ assert goals(entry, rounds, 1.0, 4)["hybrid_ge_best_of_learned_and_model_free"] 
 
 
 def test_hybrid_bound_dynamic_programming():
-  """benchmarks/model_free_ceiling.py's hybrid bound on rows whose acceptance is certain:
+  """research/model_free_ceiling.py's hybrid bound on rows whose acceptance is certain:
   each kind alone takes its steps; the oracle drafts with the drafter where it gains and
   with the chain where that emits as much for less (the last token has nothing to draft);
   with both uncertain, the oracle beats either alone."""
-  from benchmarks.model_free_ceiling import rates
+  from benchmarks.research.model_free_ceiling import rates
   n, depth = 21, 4          # steps at t = 0, 5, 10, 15 accept 4; the last (t = 20) none
   # Level j of a step at t accepted w.p. mass[t + j] (0 past the end).
   levels = lambda mass: np.stack([np.concatenate([mass, np.zeros(depth)])[j:j + n]
@@ -352,10 +352,10 @@ def test_hybrid_bound_dynamic_programming():
 
 
 def test_ceiling_replays_the_ngram_chain():
-  """benchmarks/model_free_ceiling.py's acceptance of ngram.py's chain along a text: the
+  """research/model_free_ceiling.py's acceptance of ngram.py's chain along a text: the
   longest match (then the latest), its continuation cycling, accepted level by level
   while it equals the text; no match drafts nothing."""
-  from benchmarks.model_free_ceiling import chain_accepts
+  from benchmarks.research.model_free_ceiling import chain_accepts
   prompt = [1, 2, 3]
   sibling = [1, 2, 3, 4, 5, 6, 9]
   text = prompt + [4, 5, 7, 8, 8, 8]
@@ -373,7 +373,7 @@ def test_ceiling_replays_the_ngram_chain():
 def test_ceiling_chain_reads_in_step_siblings_only_up_to_the_position():
   """chain_accepts with a sibling generated beside the text: at position t the chain reads
   the sibling's first t tokens only, so its continuation past t is not drafted yet."""
-  from benchmarks.model_free_ceiling import chain_accepts
+  from benchmarks.research.model_free_ceiling import chain_accepts
   prompt = [1, 2]
   sibling = prompt + [3, 4, 5, 6]
   text = prompt + [7, 3, 4, 5]
@@ -395,7 +395,7 @@ def test_ceiling_chain_reads_in_step_siblings_only_up_to_the_position():
 def test_ceiling_arranges_samples_by_live_batch():
   """What sample i reads: one at a time, samples 0..i-1 finished; B at a time, the batches
   before its own finished and its batch's others in step; B >= G, all in step."""
-  from benchmarks.model_free_ceiling import arrangement
+  from benchmarks.research.model_free_ceiling import arrangement
   texts = [[k] for k in range(6)]
   assert arrangement(texts, 3, 1) == ([[0], [1], [2]], [])
   assert arrangement(texts, 5, 4) == ([[0], [1], [2], [3]], [[4]])
@@ -404,13 +404,13 @@ def test_ceiling_arranges_samples_by_live_batch():
 
 
 def test_ceiling_chain_levels_are_p_of_each_draft_after_the_ones_before():
-  """benchmarks/model_free_ceiling.py's expected acceptance of a point-mass chain: level j
+  """research/model_free_ceiling.py's expected acceptance of a point-mass chain: level j
   of a step at t is accepted with the target's p of its draft after text[:t] and the
   drafts before it (a full forward pass over that sequence, here the oracle); no draft, 0.
   Two blocks, the last one short."""
   import jax
 
-  from benchmarks.model_free_ceiling import chain_level_probs
+  from benchmarks.research.model_free_ceiling import chain_level_probs
   vocab, depth, temperature = 11, 3, 0.7
   config, params, _ = _model(vocab)
   text = _prompts(vocab, [14], seed=3)[0]
@@ -433,12 +433,12 @@ def test_ceiling_chain_levels_are_p_of_each_draft_after_the_ones_before():
 
 
 def test_ceiling_reads_in_step_siblings_only_up_to_the_position():
-  """benchmarks/model_free_ceiling.py's bound with siblings generated beside the text: at
+  """research/model_free_ceiling.py's bound with siblings generated beside the text: at
   position t a sibling's pairs count only once both tokens precede t; finished siblings'
   count from the start."""
   import numpy as np
 
-  from benchmarks.model_free_ceiling import successor_mass
+  from benchmarks.research.model_free_ceiling import successor_mass
   prompt, sibling = [0, 1], [0, 1, 4, 1, 2]
   text = prompt + [2, 1, 3]
   probs = np.full((3, 5), 0.1)
@@ -457,9 +457,9 @@ def test_ceiling_reads_in_step_siblings_only_up_to_the_position():
 
 
 def test_count_rules_choose_by_how_often_a_continuation_followed():
-  """benchmarks/model_free_ceiling.py's counting rules, where they disagree: after "1 2",
+  """research/model_free_ceiling.py's counting rules, where they disagree: after "1 2",
   "3" followed twice and "5" once (latest), and after "2" alone "6" followed three times."""
-  from benchmarks.model_free_ceiling import count_rule_drafts
+  from benchmarks.research.model_free_ceiling import count_rule_drafts
   earlier = [[1, 2, 3], [1, 2, 3], [2, 6, 2, 6, 2, 6], [1, 2, 5]]
   text = [1, 2, 7, 9]
   drafts = count_rule_drafts(text, 2, earlier, max_ngram=2)

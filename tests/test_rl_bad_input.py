@@ -1,7 +1,8 @@
 """`python -m experiments.run` on bad input: each fault is one `error: ...` line naming the
 flag, file, row or field, a nonzero exit and no traceback (cheap ones before the model
 loads); per-item faults (bad rows in skip mode, a reward that raises or stalls) are counted
-and the run goes on; a save that fails for lack of space keeps the last good checkpoint."""
+and the run goes on, but a reward that fails every item stops it; a save that fails for lack
+of space keeps the last good checkpoint."""
 from __future__ import annotations
 
 import json
@@ -18,7 +19,7 @@ from tests.rl_bad_reward_helpers import STALL_MARKER_ENV
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS = "basic_arithmetic:min_terms=2,max_terms=2,min_digits=1,max_digits=1"
-FAULTY_REWARD = "--reward=tests.rl_bad_reward_helpers:stalls_once_then_raises"
+FAULTY_REWARD = "--reward=tests.rl_bad_reward_helpers:stalls_once_then_fails_every_other"
 # Per file: the checkpoint's array files are ~100-300 KB, everything written before the
 # save (metrics.jsonl, TensorBoard events) a few KB.
 FILE_SIZE_LIMIT = 64 * 1024
@@ -87,6 +88,9 @@ _CHEAP_CASES = {
     "malformed_enum": (["--resume=sometimes"], None, ["--resume"], False),
     "bad_reward_module": (["--reward=no_such_module:fn"], None,
                           ["--reward=no_such_module:fn"], False),
+    "reward_not_a_reward": (["--reward=os:system"], None,
+                            ["--reward=os:system", "system(command)",
+                             "(response, ground_truth, data_source, extra_info)"], False),
     "missing_model": (["--model=/nonexistent/model"], None,
                       ["--model=/nonexistent/model"], False),
     "missing_train_file": ([], ["--train_file=/nonexistent/train.jsonl"],
@@ -138,7 +142,7 @@ def test_unwritable_run_dir_fails_before_loading(tiny_hf_dirs, tmp_path):
 @pytest.fixture(scope="module")
 def faulty_run(tiny_hf_dirs, data_files, tmp_path_factory):
   """One step on a file with 2 bad rows skipped, scored by a reward that stalls once past
-  --reward_timeout_s and raises on every other item; checkpoint 1 saved at the end."""
+  --reward_timeout_s and then raises on every other item; checkpoint 1 saved at the end."""
   root = tmp_path_factory.mktemp("faulty")
   env = {STALL_MARKER_ENV: str(root / "stalled")}
   args = (tiny_hf_dirs["qwen2"], f"--train_file={data_files['bad_rows']}", FAULTY_REWARD,
@@ -161,8 +165,16 @@ def test_reward_errors_and_timeouts_are_counted(faulty_run):
   records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
   assert [r["step"] for r in records] == [1]
   assert records[0]["reward/timeouts"] == 1
-  assert records[0]["reward/errors"] == 2 * 4 - 1
+  assert records[0]["reward/errors"] == 3   # of the 2 * 4 - 1 items after the stall
   assert records[0]["reward/mean"] == 0.0
+
+
+def test_a_reward_that_fails_every_item_stops_the_run(tiny_hf_dirs, tmp_path):
+  reward = "--reward=tests.rl_bad_reward_helpers:always_raises"
+  proc = run_cli(tmp_path / "run", tiny_hf_dirs["qwen2"], reward)
+  error_line(proc, reward, "all 8 responses of a batch failed to score", "8 raised",
+             "KeyError")
+  assert not os.path.exists(tmp_path / "run" / "checkpoints" / "1")
 
 
 def test_full_disk_at_save_keeps_last_checkpoint(faulty_run, tmp_path):

@@ -101,6 +101,17 @@ def test_gym_records_deterministic_mixed_and_scorable():
     assert scorer(r.ground_truth, shipped) == 1.0
 
 
+def test_drafter_warm_up_words_gym_questions_as_rl_does():
+  """One builder: the drafter is trained on the prompts RL sends it."""
+  import reasoning_gym
+  from tlt_jax.data.tasks import build_questions
+  questions = build_questions(["basic_arithmetic", "chat"], 4, seed=0)
+  assert [task for task, _ in questions] == ["basic_arithmetic", "chat"] * 2
+  dataset = reasoning_gym.create_dataset("basic_arithmetic", size=2, seed=0)
+  assert [q for task, q in questions if task != "chat"] == [
+      dataset[k]["question"] + ANSWER_INSTRUCTION for k in range(2)]
+
+
 def test_gym_train_and_val_are_disjoint():
   # A question space small enough that the two seeds collide: the exclusion must remove them.
   tasks = ("basic_arithmetic:min_terms=2,max_terms=2,min_digits=1,max_digits=1,operators=+,"

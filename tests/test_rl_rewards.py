@@ -103,6 +103,34 @@ def test_registry_unknown_and_user_functions():
     RewardSpec("format", format_weight=-1.0)
 
 
+@pytest.mark.parametrize("name, why", [
+    ("os:system", r"system\(command\) must accept the arguments \(response, ground_truth, "
+                  r"data_source, extra_info\) positionally: too many positional arguments"),
+    ("tests.rl_reward_helpers:two_arguments", "too many positional arguments"),
+    ("tests.rl_reward_helpers:needs_keyword", "missing a required argument: 'scale'"),
+])
+def test_a_function_that_cannot_take_a_rewards_arguments_is_refused(name, why):
+  with pytest.raises(UserInputError, match=f"^--reward={name}: .*{why}$"):
+    RewardSpec(name)
+  RewardSpec("tests.rl_reward_helpers:takes_anything")
+
+
+def test_a_batch_where_every_item_raised_is_the_functions_fault():
+  spec = RewardSpec("test_scripted")
+  failing = [RewardItem("RAISE", "1")] * 3
+  with pytest.raises(UserInputError, match=r"^--reward=test_scripted: all 3 responses of a "
+                     r"batch failed to score \(3 raised, 0 timed out\); the first: "
+                     r"ValueError: scripted failure$"):
+    rewards.require_some_scored(score_in_process(spec, failing), spec.name)
+  # One item scored, or every fault a timeout (a slow host, not a broken function): counted.
+  rewards.require_some_scored(score_in_process(spec, failing + [RewardItem("1", "1")]),
+                              spec.name)
+  zeros = np.zeros(2, np.float32)
+  rewards.require_some_scored(rewards.RewardResult(zeros, zeros, zeros, timeouts=2, errors=0,
+                                                   first_error=None), spec.name)
+  rewards.require_some_scored(score_in_process(spec, []), spec.name)
+
+
 def test_pool_arguments_are_checked():
   spec = RewardSpec("format")
   with pytest.raises(UserInputError, match="--reward_workers"):

@@ -16,8 +16,9 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from tlt_jax.errors import UserInputError
+from tlt_jax.files import atomic_dir
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.hf import atomic_output_dir, param_shapes
+from tlt_jax.models.hf import param_shapes
 
 CONFIG = "config.json"
 PARAMS = "params"
@@ -41,7 +42,7 @@ def is_model_checkpoint(path: str) -> bool:
 def save_model_checkpoint(out_dir: str, params: dict[str, Any], config: ModelConfig,
                           tokenizer_files: Sequence[str] = (), overwrite: bool = False) -> None:
   """Writes `out_dir` atomically: it appears only once every piece is on disk."""
-  with atomic_output_dir(out_dir, overwrite) as tmp:
+  with atomic_dir(out_dir, overwrite) as tmp:
     for path in tokenizer_files:
       if not os.path.isfile(path):
         raise UserInputError(f"{path}: tokenizer file not found")

@@ -174,10 +174,16 @@ def gym_records(tasks: Sequence[TaskSpec], num_prompts: int, seed: int, split: s
   return [per_task[i % len(tasks)][i // len(tasks)] for i in range(num_prompts)]
 
 
+def gym_prompt(question: str) -> str:
+  """The user turn for a reasoning-gym question. RL sends it and drafter warm-up
+  (`tasks.build_questions`) trains on it, so the drafter learns the prompts it serves."""
+  return question + ANSWER_INSTRUCTION
+
+
 def _gym_record(task: TaskSpec, entry: dict[str, Any], split: str, index: int) -> PromptRecord:
   entry = json_safe({k: entry.get(k) for k in ("question", "answer", "metadata")})
   return PromptRecord(
-      prompt=({"role": "user", "content": entry["question"] + ANSWER_INSTRUCTION},),
+      prompt=({"role": "user", "content": gym_prompt(entry["question"])},),
       ground_truth=str(entry["answer"]),
       data_source=task.name,
       extra_info={"entry": entry, "task_config": json_safe(task.overrides), "split": split,

@@ -5,9 +5,9 @@ share prompt sets exactly.
 """
 from __future__ import annotations
 
+from tlt_jax.data.rl_sources import gym_prompt
 from tlt_jax.errors import UserInputError
 
-REASONING_SUFFIX = "\nThink step by step, then give the final answer."
 CHAT_QUESTIONS = (
     "Why is the sky blue?",
     "Give me three tips for staying focused while studying.",
@@ -39,7 +39,8 @@ def validate_tasks(tasks: list[str]) -> None:
 
 
 def build_questions(tasks: list[str], num_prompts: int, seed: int) -> list[tuple[str, str]]:
-  """(task, question) pairs, tasks interleaved round robin; deterministic in `seed`."""
+  """(task, prompt) pairs, tasks interleaved round robin; deterministic in `seed`.
+  Reasoning-gym questions are worded as RL sends them (`rl_sources.gym_prompt`)."""
   import reasoning_gym
 
   counts = {t: len(range(i, num_prompts, len(tasks))) for i, t in enumerate(tasks)}
@@ -49,6 +50,6 @@ def build_questions(tasks: list[str], num_prompts: int, seed: int) -> list[tuple
       pools[task] = [CHAT_QUESTIONS[k % len(CHAT_QUESTIONS)] for k in range(counts[task])]
     elif counts[task]:
       dataset = reasoning_gym.create_dataset(task, size=counts[task], seed=seed + i)
-      pools[task] = [dataset[k]["question"] + REASONING_SUFFIX for k in range(counts[task])]
+      pools[task] = [gym_prompt(dataset[k]["question"]) for k in range(counts[task])]
   return [(tasks[i % len(tasks)], pools[tasks[i % len(tasks)]][i // len(tasks)])
           for i in range(num_prompts)]

@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import tempfile
 from typing import Any, Iterable, Sequence
 
 import flax.struct
@@ -35,11 +34,11 @@ from tlt_jax.checkpoint import (check_tree_shapes, read_tree_metadata, restore_t
 from tlt_jax.drafter.losses import CE_WEIGHT, eagle_loss
 from tlt_jax.data.packing import PackedRows
 from tlt_jax.errors import UserInputError
+from tlt_jax.files import atomic_dir, write_atomic
 from tlt_jax.models import transformer
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import (DrafterParams, draft_head, drafter_forward,
                                     init_drafter_cache, init_drafter_params)
-from tlt_jax.models.hf import atomic_output_dir
 
 CHECKPOINT = "checkpoint"
 STATE = "state"
@@ -231,7 +230,7 @@ def save_drafter(out_dir: str, state_or_params: TrainState | DrafterParams,
   if state is not None:
     tree.update(opt_state=state.opt_state, step=state.step)
   os.makedirs(out_dir, exist_ok=True)
-  with atomic_output_dir(os.path.join(out_dir, CHECKPOINT), overwrite=True) as tmp:
+  with atomic_dir(os.path.join(out_dir, CHECKPOINT), overwrite=True) as tmp:
     save_tree(os.path.join(tmp, STATE), tree)
   export_drafter(out_dir, params, vocab_ids, model_config,
                  step=int(state.step) if state is not None else None,
@@ -258,7 +257,7 @@ def export_drafter(out_dir: str, params: DrafterParams, vocab_ids: Any | None,
   if vocab_ids is not None:
     tensors[DRAFT_VOCAB] = np.asarray(vocab_ids, np.int64)
   os.makedirs(out_dir, exist_ok=True)
-  _write_atomic(os.path.join(out_dir, WEIGHTS),
+  write_atomic(os.path.join(out_dir, WEIGHTS),
                 safetensors.numpy.save(tensors, metadata={"format": "np"}))
 
   target = model_config.to_hf_dict()
@@ -275,7 +274,7 @@ def export_drafter(out_dir: str, params: DrafterParams, vocab_ids: Any | None,
       "target": target,
       "target_source": target_source,
   }
-  _write_atomic(os.path.join(out_dir, CONFIG),
+  write_atomic(os.path.join(out_dir, CONFIG),
                 json.dumps(drafter_config, indent=1).encode())
 
 
@@ -356,15 +355,3 @@ def restore_train_state(drafter_dir: str, template: TrainState) -> TrainState:
   target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), tree)
   restored = restore_tree(state_dir, target)
   return TrainState(**restored)
-
-
-def _write_atomic(path: str, data: bytes) -> None:
-  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-")
-  try:
-    with os.fdopen(fd, "wb") as f:
-      f.write(data)
-    os.chmod(tmp, 0o644)  # mkstemp makes it private; these files are meant to be shared
-    os.replace(tmp, path)
-  except BaseException:
-    os.unlink(tmp)
-    raise

@@ -9,8 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
-import tempfile
 from typing import Any, Iterator
 
 import jax
@@ -20,6 +18,7 @@ import safetensors
 import safetensors.numpy
 
 from tlt_jax.errors import UserInputError
+from tlt_jax.files import atomic_dir
 from tlt_jax.models.config import ModelConfig
 
 SAFETENSORS = "model.safetensors"
@@ -190,35 +189,6 @@ def _place(leaf: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.Arra
 
 # ---- saving ---------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def atomic_output_dir(out_dir: str, overwrite: bool = False) -> Iterator[str]:
-  """Yields a temp dir beside `out_dir` that becomes `out_dir` only once fully written.
-
-  A crash or an exception midway leaves no half-written `out_dir` behind.
-  """
-  out_dir = os.path.abspath(out_dir)
-  if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
-    raise UserInputError(f"{out_dir}: output directory exists and is not empty")
-  if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
-    raise UserInputError(f"{out_dir}: output path exists and is not a directory")
-  parent, base = os.path.split(out_dir)
-  os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=f".{base}.tmp-", dir=parent)
-  try:
-    os.chmod(tmp, 0o755)
-    yield tmp
-    if os.path.lexists(out_dir):
-      old = tmp + ".old"
-      os.rename(out_dir, old)
-      os.rename(tmp, out_dir)
-      shutil.rmtree(old)
-    else:
-      os.rename(tmp, out_dir)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
-
-
 def save_hf_dir(params: dict[str, Any], config: ModelConfig, out_dir: str,
                 overwrite: bool = False, tokenizer: Any = None) -> None:
   """Writes config.json + model.safetensors that transformers loads as-is, plus the
@@ -231,7 +201,7 @@ def save_hf_dir(params: dict[str, Any], config: ModelConfig, out_dir: str,
   for path, name, _, transposed in _hf_tensors(config):
     leaf = host[path[0]] if len(path) == 1 else host["layers"][path[1]][path[2]]
     tensors[name] = np.ascontiguousarray(_transpose(leaf, transposed))
-  with atomic_output_dir(out_dir, overwrite) as tmp:
+  with atomic_dir(out_dir, overwrite) as tmp:
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(config.to_hf_dict(), f, indent=2)
     safetensors.numpy.save_file(tensors, os.path.join(tmp, SAFETENSORS),

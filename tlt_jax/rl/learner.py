@@ -6,12 +6,11 @@ bandit), everything it needs to checkpoint and resume.
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import resource
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -22,7 +21,7 @@ from tlt_jax.models.transformer import Params
 from tlt_jax.rl import advantages as adv
 from tlt_jax.rl.batching import Sequences
 from tlt_jax.rl.config import AdvantageConfig, OverlongConfig
-from tlt_jax.rl.rewards import RewardItem, RewardPool
+from tlt_jax.rl.rewards import RewardItem, RewardPool, require_some_scored
 from tlt_jax.rl.rollout import (GroupRollouts, RolloutSettings, concat_rollouts,
                                 lay_out_for_rollout, sample_groups)
 from tlt_jax.rl.update import (PolicyState, UpdateContext, compiled_programs, score_sequences,
@@ -60,36 +59,28 @@ def peak_rss_gib() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
 
 
-def return_free_heap() -> None:
-  """Hands the C heap's free pages back to the OS (glibc's `malloc_trim`; elsewhere
-  nothing to do). XLA's compiler and mid-sized buffers leave the heap fragmented, freed but
-  resident: ~1.5 GiB after the rollout's precompile, under every later phase's peak."""
-  if _LIBC is not None:
-    _LIBC.malloc_trim(0)
-
-
-def _glibc():
-  try:
-    libc = ctypes.CDLL("libc.so.6")
-    return libc if hasattr(libc, "malloc_trim") else None
-  except OSError:
-    return None
-
-
-_LIBC = _glibc()
+def _nothing() -> None:
+  pass
 
 
 class Learner:
-  """One run's state and stages. `step(n)` runs RL step n (1-based)."""
+  """One run's state and stages. `step(n)` runs RL step n (1-based).
+
+  `between_phases` runs once a step, after the rollout's and the reference's buffers are
+  freed and before the update allocates its own: the seam for host-level tuning, which the
+  entry point owns (experiments pass `tlt_jax.runtime.host.return_free_heap`).
+  """
 
   def __init__(self, *, config: ModelConfig, tokenizer: Tokenizer, state: PolicyState,
                ref_params: Params | None, stream, rollout: RolloutSettings,
                step_config: StepConfig, update: UpdateContext, rewards: RewardPool,
-               drafter: DraftWeights | None = None):
+               drafter: DraftWeights | None = None,
+               between_phases: Callable[[], None] = _nothing):
     self.config, self.tokenizer = config, tokenizer
     self.state, self.ref_params, self.stream = state, ref_params, stream
     self.rollout, self.step_config, self.update = rollout, step_config, update
     self.rewards = rewards
+    self.between_phases = between_phases
     # The learned drafter's weights (a rollout argument) and what SD learns across steps.
     self.drafter = drafter
     self.spec_memory = None if rollout.spec is None else SpecMemory(rollout.spec)
@@ -130,7 +121,7 @@ class Learner:
                 if self.update.loss.uses_reference else None)
     record["timing/reference_s"] = time.perf_counter() - t
 
-    return_free_heap()            # the rollout's and reference's freed buffers
+    self.between_phases()         # the rollout's and reference's buffers are freed
     t = time.perf_counter()                                        # policy update
     self.state, update_metrics = update_policy(
         self.state, sequences, advantages.reshape(-1), batch.logprobs, ref_logp, in_loss,
@@ -140,7 +131,7 @@ class Learner:
     record.update(update_metrics)
 
     t = time.perf_counter()                                        # weight sync
-    self.rollout_params = self.sync_weights(self.state.params)
+    self.rollout_params = jax.block_until_ready(self.sync_weights(self.state.params))
     record["timing/sync_s"] = time.perf_counter() - t
 
     record.update(self.batch_metrics(scored, group_size))
@@ -204,6 +195,7 @@ class Learner:
                                      data_source=item.record.data_source,
                                      extra_info=item.record.extra_info))
     result = self.rewards.score(reward_items)
+    require_some_scored(result, self.rewards.spec.name)
     penalty = adv.overlong_penalty(rollouts.response_lengths, self.rollout.max_new_tokens,
                                    self.step_config.overlong)
     shape = (len(items), g)

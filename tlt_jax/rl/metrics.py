@@ -14,6 +14,8 @@ import sys
 import time
 from typing import Any, Sequence
 
+from tlt_jax.files import atomic_file
+
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 # The summary table's rows: (metric, how the run is summarized).
@@ -37,10 +39,9 @@ class MetricsLog:
 
     self.path = os.path.join(run_dir, METRICS_FILE)
     self.history = list(history)
-    with open(self.path + ".tmp", "w") as f:
+    with atomic_file(self.path) as f:
       for record in self.history:
         f.write(json.dumps(record) + "\n")
-    os.replace(self.path + ".tmp", self.path)
     self._writer = SummaryWriter(os.path.join(run_dir, TENSORBOARD_DIR), flush_secs=10)
 
   def write(self, record: dict[str, Any]) -> None:

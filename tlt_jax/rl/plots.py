@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 from typing import Any, Sequence
 
+from tlt_jax.files import atomic_file
+
 PLOTS = ("long_tail.png", "reward.png", "response_len.png", "step_time.png",
          "accept_len.png")
 _TIME_PARTS = ("timing/rollout_s", "timing/reward_s", "timing/reference_s", "timing/train_s",
@@ -28,8 +30,8 @@ def write_plots(run_dir: str, history: Sequence[dict[str, Any]]) -> list[str]:
   def save(fig, name):
     path = os.path.join(run_dir, name)
     fig.tight_layout()
-    fig.savefig(path + ".tmp.png", dpi=90)
-    os.replace(path + ".tmp.png", path)
+    with atomic_file(path, "wb") as f:
+      fig.savefig(f, format="png", dpi=90)
     plt.close(fig)
     paths.append(path)
 

@@ -9,11 +9,14 @@ picks one with `--reward=NAME`, where NAME is either
   * `module.path:function`: the module is imported and the function used (if the module
     registers rewards, importing it also makes their names usable).
 
-Both are checked when the `RewardSpec` is built, at start-up. Reward functions run in worker
-processes, so they must be module-level functions (pickled by reference); lambdas and
-nested functions are refused. `RewardPool` scores a batch in those workers with a per-item
-timeout; a worker that overruns is killed and replaced, so a stuck scorer costs one item's
-reward, never the run.
+Both are checked when the `RewardSpec` is built, at start-up, before the model loads: the
+function must take the four arguments above positionally (`inspect.signature`). Reward
+functions run in worker processes, so they must be module-level functions (pickled by
+reference); lambdas and nested functions are refused. `RewardPool` scores a batch in those
+workers with a per-item timeout; a worker that overruns is killed and replaced, so a stuck
+scorer costs one item's reward, never the run. A batch where no item scored and some raised
+is the function's fault, not the responses': the learner stops the run
+(`require_some_scored`).
 
 Model output is untrusted text: nothing here evals or execs it. Extraction is regexes and a
 linear brace scan; math_verify parses LaTeX with an ANTLR grammar and plain expressions with
@@ -25,6 +28,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import importlib
+import inspect
 import json
 import math
 import multiprocessing
@@ -41,6 +45,7 @@ import numpy as np
 from tlt_jax.errors import UserInputError
 
 RewardFn = Callable[[str, str, str, dict], float]
+REWARD_ARGUMENTS = ("response", "ground_truth", "data_source", "extra_info")
 START_METHODS = ("spawn", "forkserver")  # not fork: the parent runs JAX threads
 # math_verify's own (SIGALRM) limits, per parse/verify call; below the pool's default item
 # timeout so a slow comparison usually ends as a plain 0 without a worker restart.
@@ -106,12 +111,30 @@ def _resolve(name: str) -> _Registered:
   else:
     raise UserInputError(f"--reward={name}: unknown reward (known: {', '.join(reward_names())}; "
                          "or module.path:function)")
+  _check_signature(name, entry.fn)
   try:
     pickle.dumps((entry.fn, entry.warmup))
   except Exception as e:  # noqa: BLE001 - lambdas, nested functions, bound objects...
     raise UserInputError(f"--reward={name}: must be a module-level function (it is sent to "
                          f"worker processes): {_one_line(e)}") from None
   return entry
+
+
+def _check_signature(name: str, fn: Callable) -> None:
+  """UserInputError naming --reward unless `fn` can be called as a reward is: with the four
+  REWARD_ARGUMENTS positionally, and no other required argument."""
+  try:
+    signature = inspect.signature(fn)
+  except (TypeError, ValueError):
+    # A C function without a readable signature: a wrong one fails every item, and a batch
+    # where every item fails stops the run (`require_some_scored`).
+    return
+  try:
+    signature.bind(*REWARD_ARGUMENTS)
+  except TypeError as e:
+    raise UserInputError(
+        f"--reward={name}: {getattr(fn, '__name__', 'the function')}{signature} must accept "
+        f"the arguments ({', '.join(REWARD_ARGUMENTS)}) positionally: {e}") from None
 
 
 def get_reward(name: str) -> RewardFn:
@@ -385,6 +408,18 @@ def _result(spec: RewardSpec, scores: np.ndarray, formats: np.ndarray, timeouts:
             errors: int, first_error: str | None) -> RewardResult:
   rewards = (scores + np.float32(spec.format_weight) * formats).astype(np.float32)
   return RewardResult(rewards, scores, formats, timeouts, errors, first_error)
+
+
+def require_some_scored(result: RewardResult, name: str) -> None:
+  """UserInputError naming --reward when no item of a batch was scored and at least one
+  raised: the reward function, not a response, is at fault, and training on all-zero
+  rewards would only waste the run. Batches where some items fail, or all time out, go on
+  with the faults counted (`reward/errors`, `reward/timeouts`)."""
+  n = len(result.rewards)
+  if n and result.errors and result.errors + result.timeouts == n:
+    raise UserInputError(f"--reward={name}: all {n} responses of a batch failed to score "
+                         f"({result.errors} raised, {result.timeouts} timed out); the first: "
+                         f"{result.first_error}")
 
 
 def _worker_main(conn, payload: bytes) -> None:

@@ -3,7 +3,7 @@ matmuls: every layer's q/k/v, o, gate/up and down plus the LM head, weights stre
 memory as in a rollout step, at each row count (decode at batch B multiplies B rows; a
 depth-4 chain's verify, 5B).
 
-  python benchmarks/packed_matmul_paths.py [--rows=1,4,8,16,20,32,80] [--rounds=3]
+  python benchmarks/research/packed_matmul_paths.py [--rows=1,4,8,16,20,32,80] [--rounds=3]
       [--output=FILE]
 
 The kernel picks its path once, when it loads (TLT_JAX_CPU_AVX512=0 keeps AVX2), so each
@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from absl import flags  # noqa: E402
 

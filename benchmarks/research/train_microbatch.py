@@ -1,6 +1,6 @@
 """One training micro-batch of SmolLM2 against the CPU's matmul rate: the train phase's roofline.
 
-  python benchmarks/train_microbatch.py [--rows=4] [--seq_len=256] [--repeats=5]
+  python benchmarks/research/train_microbatch.py [--rows=4] [--seq_len=256] [--repeats=5]
       [--output_json=FILE]
 
 A packed micro-batch of ~128-token samples (50 prompt + 40-75 response tokens, as the RL
@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
 from absl import flags  # noqa: E402

@@ -1,7 +1,7 @@
 """How many tokens per verify step any model-free drafter could accept at T > 0: an upper
 bound from the target's own probabilities, for issue 17's accept-length goal.
 
-  python benchmarks/model_free_ceiling.py [--temperature=1] [--output=FILE]
+  python benchmarks/research/model_free_ceiling.py [--temperature=1] [--output=FILE]
 
 Samples G (--group_size) responses to each held-out reasoning-gym math prompt by plain
 sampling (as benchmarks/model_free.py's batch-1 rollouts: sample i drafts from its prompt,
@@ -56,7 +56,7 @@ import itertools
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from absl import flags  # noqa: E402
 
@@ -398,9 +398,10 @@ def main(argv):
   from tlt_jax.models import transformer
   from tlt_jax.models.drafter import draft_head, draft_logits
   from tlt_jax.models.loading import load_model
-  from tlt_jax.rollout.engine import SpecConfig, generate
+  from tlt_jax.rollout.engine import generate
   from tlt_jax.rollout.ngram import NgramConfig
   from tlt_jax.rollout.sampling import SamplingParams
+  from tlt_jax.rollout.spec_config import SpecConfig
 
   asked = questions.load({"main": (questions.MAIN_TASKS, _PROMPTS.value, _SEED.value)})["main"]
   model = load_model("smollm2", dtype=jnp.float32)
@@ -409,7 +410,8 @@ def main(argv):
   prompts = [model.tokenizer.chat_prompt(q) for q in asked]
   sampling = SamplingParams(temperature=_TEMPERATURE.value)
   engine_spec = None if engine_strategy is None else SpecConfig(
-      ngram_config=NgramConfig(max_ngram=_MAX_NGRAM.value), strategy=engine_strategy,
+      kind="ngram", ngram_config=NgramConfig(max_ngram=_MAX_NGRAM.value),
+      strategy=engine_strategy,
       threshold=_GROUP.value, patience=0)
   temperature = _TEMPERATURE.value
   depth = _DEPTH.value
