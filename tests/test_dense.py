@@ -1,10 +1,11 @@
-"""`dense`'s hand-written backward (laid out for the CPU) equals autodiff's of `x @ w`."""
+"""The seam's `dense` (on CPU, a hand-written backward laid out for XLA:CPU) equals
+autodiff's of `x @ w`."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tlt_jax.models.dense import dense
+from tlt_jax.ops import dense
 
 
 @pytest.mark.parametrize("x_shape", [(5, 7), (2, 3, 7)])

@@ -18,7 +18,7 @@ from tlt_jax.cpu import packed_matmul as pm
 from tlt_jax.models import transformer
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import (draft_head, draft_logits, drafter_forward,
-                                   init_drafter_cache, init_drafter_params, rollout_layout)
+                                   init_drafter_cache, init_drafter_params)
 from tlt_jax.models.kv_cache import init_cache
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -164,15 +164,16 @@ def test_the_draft_head_is_packed_with_the_rollout_layout(tied, draft_vocab):
 
 @needs_kernel
 def test_the_drafter_rollout_layout_packs_and_matches_the_stacked_one():
-  """`drafter.rollout_layout`: the layer split out, every matrix and fc packed; a forward
+  """`weights.drafter_layout`: the layer split out, every matrix and fc packed; a forward
   over a per-layer cache gives the stacked drafter's hidden states and K/V."""
   config = _small_config()
   target = transformer.init_params(config, jax.random.key(5))
   stacked = init_drafter_params(config, jax.random.key(6))
-  packed = rollout_layout(stacked)
+  from tlt_jax.rollout.weights import drafter_layout
+  packed = drafter_layout(stacked)
   assert isinstance(packed["layers"], tuple) and isinstance(packed["fc"], pm.PackedWeight)
   assert isinstance(packed["layers"][0]["w_down"], pm.PackedWeight)
-  assert rollout_layout(packed) is packed
+  assert drafter_layout(packed) is packed
   rng = np.random.default_rng(7)
   tokens = jnp.asarray(rng.integers(0, 61, (3, 5)))
   hidden = jnp.asarray(rng.normal(size=(3, 5, 48)), jnp.float32)

@@ -16,15 +16,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tlt_jax import ops
 from tlt_jax.cpu import attention as cpu_attention
 from tlt_jax.cpu import kernels as cpu_kernels
 from tlt_jax.cpu import self_attention as cpu_self_attention
 from tlt_jax.models import transformer
-from tlt_jax.models.attention import attend
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.data.packing import block_causal_mask
 from tlt_jax.models.kv_cache import init_cache
-from tlt_jax.pallas.tree_attention import resolve_impl, tree_attention, tree_attention_pallas
+from tlt_jax.pallas.tree_attention import tree_attention_pallas
+from tlt_jax.reference_ops import attend
 
 FP32_TOL = 1e-5
 
@@ -201,12 +202,12 @@ def test_kernel_path_reads_the_cache_in_place(new_tokens):
 def test_resolve_impl():
   # The CPU kernel needs its build and the CPU backend in this process (not so on a GPU).
   on_cpu = "cpu" if cpu_kernels.enabled(jnp.float32) else "reference"
-  assert resolve_impl("auto", "cpu") == on_cpu
-  assert resolve_impl("auto", "cpu", sharded=True) == "reference"
-  assert resolve_impl("auto", "gpu") == "pallas"
-  assert resolve_impl("triton", "cpu") == "triton"
+  assert ops.resolve_attention("auto", "cpu") == on_cpu
+  assert ops.resolve_attention("auto", "cpu", sharded=True) == "reference"
+  assert ops.resolve_attention("auto", "gpu") == "pallas"
+  assert ops.resolve_attention("triton", "cpu") == "triton"
   with pytest.raises(ValueError, match="auto, reference, pallas, triton, cpu"):
-    resolve_impl("flash")
+    ops.resolve_attention("flash")
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU default")
@@ -218,9 +219,9 @@ def test_dispatcher_on_cpu_and_interpreted_pallas():
   masks = _tree_masks(rng, 2, 5, 40)
   args = (q, cache_k, cache_v, masks[0], k, v, masks[1])
   reference = attend(*args)
-  assert _max_diff(tree_attention(*args), reference) <= FP32_TOL
-  assert _max_diff(tree_attention(*args, impl="pallas"), reference) <= FP32_TOL
-  jaxpr = lambda *a: str(jax.make_jaxpr(tree_attention)(*a))
+  assert _max_diff(ops.attention(*args), reference) <= FP32_TOL
+  assert _max_diff(ops.attention(*args, impl="pallas"), reference) <= FP32_TOL
+  jaxpr = lambda *a: str(jax.make_jaxpr(ops.attention)(*a))
   if cpu_kernels.build_problem() is None:
     assert "tlt_attention" in jaxpr(*args)
   prefill, _ = _inputs(4, 1, cpu_attention.MAX_NEW_TOKENS + 1, 6, 2, 16, 0)
@@ -229,11 +230,11 @@ def test_dispatcher_on_cpu_and_interpreted_pallas():
                   transformer.causal_mask(1, t))
   assert "tlt_attention" not in jaxpr(*prefill_args)
   assert "tlt_attention" not in str(jax.make_jaxpr(
-      lambda *a: tree_attention(*a, impl="cpu"))(*prefill_args))
+      lambda *a: ops.attention(*a, impl="cpu"))(*prefill_args))
   bf16 = [x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x for x in args]
   assert "tlt_attention" not in jaxpr(*bf16)
   with pytest.raises(ValueError, match="impl must be one of"):
-    tree_attention(*args, impl="flash")
+    ops.attention(*args, impl="flash")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("jax_triton") is not None,
@@ -243,7 +244,7 @@ def test_triton_without_jax_triton_names_the_extra():
   q, cache_k, cache_v, k, v = inputs
   cache_mask, new_mask = _random_masks(rng, 1, 1, 16)
   with pytest.raises(ImportError, match="`triton` extra"):
-    tree_attention(q, cache_k, cache_v, cache_mask, k, v, new_mask, impl="triton")
+    ops.attention(q, cache_k, cache_v, cache_mask, k, v, new_mask, impl="triton")
 
 
 def _gpu_with_jax_triton() -> bool:
@@ -324,7 +325,7 @@ def test_cpu_kernel_rejects_what_it_does_not_take_and_differentiates_by_the_refe
     cpu_attention.cpu_attention(q, cache_k, cache_v, cache_mask, k, v, new_mask)
   inputs, rng = _inputs(9, 1, 2, 4, 2, 16, 8)
   q, cache_k, cache_v, k, v = inputs
-  loss = lambda impl: lambda q, k: jnp.sum(jnp.sin(tree_attention(
+  loss = lambda impl: lambda q, k: jnp.sum(jnp.sin(ops.attention(
       q, cache_k, cache_v, cache_mask, k, v, new_mask, impl=impl)))
   got = jax.grad(loss("cpu"), argnums=(0, 1))(q, k)
   want = jax.grad(loss("reference"), argnums=(0, 1))(q, k)
@@ -376,7 +377,7 @@ def test_cpu_self_attention_and_its_gradients_match_reference(case):
 
 @needs_cpu_kernels
 def test_cpu_self_attention_dispatch_and_what_it_rejects():
-  """tree_attention sends cacheless rows over MAX_NEW_TOKENS to the kernel on CPU, rows
+  """ops.attention sends cacheless rows over MAX_NEW_TOKENS to the kernel on CPU, rows
   with a cache (a prefill) and head dims it does not take to the reference."""
   t = cpu_attention.MAX_NEW_TOKENS + 8
   inputs, rng = _inputs(3, 1, t, 4, 2, 16, 0)
@@ -384,7 +385,7 @@ def test_cpu_self_attention_dispatch_and_what_it_rejects():
   mask = transformer.causal_mask(1, t)
   cache_mask = jnp.zeros((1, t, 0), bool)
   traced = lambda *args: str(jax.make_jaxpr(
-      lambda *a: tree_attention(*a, impl="cpu"))(*args))
+      lambda *a: ops.attention(*a, impl="cpu"))(*args))
   assert "tlt_self_attention_forward" in traced(q, cache_k, cache_v, cache_mask, k, v, mask)
   with_cache = _inputs(3, 1, t, 4, 2, 16, 4)[0]
   assert "tlt_self_attention" not in traced(*with_cache[:3], jnp.ones((1, t, 4), bool),

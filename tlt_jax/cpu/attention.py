@@ -1,5 +1,5 @@
 """Attention of a few new tokens against the KV cache on x86 CPUs (attention.cc), beside its
-jnp reference `tlt_jax.models.attention.attend`: the same arguments, layout and result.
+jnp reference `tlt_jax.reference_ops.attend`: the same arguments, layout and result.
 
 A decode step (1 token) or an SD verification (a draft chain or tree) attends per layer
 with one kernel call instead of XLA's small dots and softmax ops, reading only the cache

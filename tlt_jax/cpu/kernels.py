@@ -1,8 +1,8 @@
 """The C++ kernels for x86 CPUs (AVX2, FMA; packed_matmul.cc also has an AVX-512 path it
 takes where the CPU has one), called through XLA's FFI: every `*.cc` here is compiled with
 g++ on first use into one shared library, cached per source and jaxlib.
-Each kernel sits beside its jnp reference (packed_matmul.py, attention.py,
-self_attention.py, token_logprobs.py).
+Each kernel is one implementation of an op of the kernel seam (`tlt_jax.ops`), beside the
+op's jnp reference (`tlt_jax.reference_ops`); the seam alone calls them.
 
 TLT_JAX_CPU_KERNELS picks the path: `auto` (the kernels where they build, else XLA's own
 ops with one warning saying why), `kernel` (an error where they do not build) or `xla`.

@@ -11,7 +11,8 @@ the next streams in.
 Only the rollout's layout packs (`transformer.unstack_layers`); training and checkpoints
 keep plain [K, N] weights.
 
-The rollout packs where `kernels.enabled` (TLT_JAX_CPU_KERNELS) says the CPU kernels run.
+The rollout packs where the seam says (`tlt_jax.ops.packs_weights`: where `kernels.enabled`,
+TLT_JAX_CPU_KERNELS, says the CPU kernels run).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Attention of T tokens among themselves (no KV cache) on x86 CPUs, forward and backward
-(self_attention.cc), beside its jnp reference: `tlt_jax.models.attention.attend` with an
+(self_attention.cc), beside its jnp reference: `tlt_jax.reference_ops.attend` with an
 empty cache.
 
 The trainer's packed rows hold several samples each, under a block-causal mask. XLA's

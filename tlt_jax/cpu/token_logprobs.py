@@ -1,5 +1,5 @@
 """The trainer's LM-head softmax on x86 CPUs, forward and backward (token_logprobs.cc),
-beside its jnp reference `tlt_jax.rl.logprobs.logprob_and_entropy`: per row of logits
+beside its jnp reference `tlt_jax.reference_ops.token_logprobs`: per row of logits
 [K, V], the log-prob of one token and the entropy under the temperature-scaled softmax.
 
 XLA ran the max, exp and entropy sum as separate passes over [K, V] and kept the whole

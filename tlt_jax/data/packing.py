@@ -13,6 +13,7 @@ import flax.struct
 import numpy as np
 
 from tlt_jax.errors import UserInputError
+from tlt_jax.reference_ops import block_causal_mask
 
 
 @flax.struct.dataclass
@@ -32,14 +33,6 @@ class PackedRows:
   def new_mask(self):
     """[R, T, T] block-diagonal causal mask (numpy or jax, as the fields are)."""
     return block_causal_mask(self.segment_ids)
-
-
-def block_causal_mask(segment_ids):
-  """Token i sees token j iff j <= i in the same segment; plain operators, so it works on
-  numpy arrays and jax tracers alike."""
-  index = np.arange(segment_ids.shape[-1])
-  causal = index[:, None] >= index[None, :]
-  return (segment_ids[..., :, None] == segment_ids[..., None, :]) & causal
 
 
 def response_slots(length: int, prompt_len: int) -> range:

@@ -19,18 +19,16 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from tlt_jax.cpu import kernels as cpu_kernels
-from tlt_jax.cpu.packed_matmul import PackedWeight, pack
+from tlt_jax import ops
 from tlt_jax.models import transformer
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.dense import dense
 from tlt_jax.models.kv_cache import KVCache, init_cache
 from tlt_jax.sharding.rules import MeshRules, param_logical_axes
 
 # {"fc": [2E, E], "fc_bias": [E], "layers": one stacked layer, no attn_norm}; in the rollout's
-# packed CPU layout (`rollout_layout`), fc packed and the layer a tuple of one, packed.
+# packed layout (`tlt_jax.rollout.weights.drafter_layout`), fc packed and the layer a tuple
+# of one, packed.
 DrafterParams = dict
-_packed = jax.jit(pack)
 
 
 def init_drafter_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> DrafterParams:
@@ -54,21 +52,9 @@ def drafter_logical_axes(config: ModelConfig) -> dict:
   return {"fc": (None, "embed"), "fc_bias": (None,), "layers": layers}
 
 
-def rollout_layout(drafter: DrafterParams) -> DrafterParams:
-  """The drafter beside target params in the rollout's packed CPU layout
-  (`transformer.unstack_layers`): its layer split out and its matrices packed as a target
-  layer's are. A drafting level multiplies a few rows by each weight (SmolLM2's drafter,
-  4 rows, 2-core CPU: a one-token step 0.77 ms against 1.02 stacked). A drafter the kernel
-  does not take (not float32) stays as it is."""
-  if isinstance(drafter["layers"], tuple) or not cpu_kernels.enabled(drafter["fc_bias"].dtype):
-    return drafter
-  return {**drafter, "fc": _packed(drafter["fc"]),
-          "layers": transformer.split_layers(drafter["layers"], True)}
-
-
 def init_drafter_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=jnp.float32,
                        rules: MeshRules | None = None, per_layer: bool = False) -> KVCache:
-  """per_layer: for a drafter in the rollout layout (`rollout_layout`)."""
+  """per_layer: for a drafter in the rollout's packed layout (its layer split out)."""
   return init_cache(drafter_layer_config(config), batch_size, max_len, dtype, rules,
                     per_layer=per_layer)
 
@@ -95,7 +81,8 @@ def drafter_forward_new_kv(drafter: DrafterParams, target: transformer.Params,
   """Like `drafter_forward`, but the cache is only read: returns the new K/V as
   [1, B, T, K, D] (a prefill writes them into a cache it did not attend over)."""
   embedded = transformer.embed_tokens(target, tokens).astype(drafter["fc_bias"].dtype)
-  x = dense(jnp.concatenate([embedded, hidden.astype(embedded.dtype)], axis=-1), drafter["fc"])
+  x = ops.dense(jnp.concatenate([embedded, hidden.astype(embedded.dtype)], axis=-1),
+                drafter["fc"])
   x = x + drafter["fc_bias"]
   return transformer.run_layers_new_kv(drafter["layers"], drafter_layer_config(config), x,
                                        positions, cache, new_mask, rules, cache_mask,
@@ -103,20 +90,20 @@ def drafter_forward_new_kv(drafter: DrafterParams, target: transformer.Params,
 
 
 def draft_head(target: transformer.Params, config: ModelConfig,
-               vocab_ids: jax.Array | None) -> jax.Array | PackedWeight:
-  """[E, Vd] LM head restricted to the draft vocabulary (the full head when None). Target
-  params in the rollout's packed CPU layout (`transformer.unstack_layers`) give it packed
-  too: a drafting level multiplies a few rows by the whole head (SmolLM2's 8k draft head,
-  4 rows, 2-core CPU: 0.44 ms packed against 0.50 through XLA's dot, alternated)."""
-  packed = "packed_lm_head" in target
-  if packed and vocab_ids is None:
-    return target["packed_lm_head"]
+               vocab_ids: jax.Array | None) -> ops.Weight:
+  """[E, Vd] LM head restricted to the draft vocabulary (the full head when None), laid out
+  as the target's head is: a target in the rollout's packed layout (one with a
+  `transformer.ROLLOUT_HEAD`) gives it packed too, as a drafting level multiplies a few
+  rows by the whole head."""
+  prepared = target.get(transformer.ROLLOUT_HEAD)
+  if prepared is not None and vocab_ids is None:
+    return prepared
   if config.tie_word_embeddings:
     head = _tied_head(target["embed"], vocab_ids)
   else:
     head = target["lm_head"]
     head = head if vocab_ids is None else jnp.take(head, vocab_ids, axis=1)
-  return _packed(head) if packed else head
+  return head if prepared is None else ops.pack_like(head, prepared)
 
 
 @jax.jit
@@ -126,7 +113,6 @@ def _tied_head(embed: jax.Array, vocab_ids: jax.Array | None) -> jax.Array:
   return (embed if vocab_ids is None else jnp.take(embed, vocab_ids, axis=0)).T
 
 
-def draft_logits(head: jax.Array | PackedWeight, hidden: jax.Array) -> jax.Array:
-  if isinstance(head, PackedWeight):
-    return dense(hidden, head)
-  return jnp.einsum("...e,ev->...v", hidden, head, preferred_element_type=jnp.float32)
+def draft_logits(head: ops.Weight, hidden: jax.Array) -> jax.Array:
+  """Float32 logits over the draft vocabulary from hidden states [..., E]."""
+  return ops.logits(hidden, head)

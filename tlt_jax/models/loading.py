@@ -57,7 +57,7 @@ def load_model(spec: str, dtype=jnp.float32,
 
 def _load_dir(spec: str, dtype) -> tuple[ModelConfig, dict]:
   if os.path.isdir(spec):
-    from tlt_jax import checkpoint
+    from tlt_jax.models import checkpoint
     # Checked first: a converted checkpoint may carry a config.json of its own.
     if checkpoint.is_model_checkpoint(spec):
       return checkpoint.load_model_checkpoint(spec, dtype=dtype, shardings=None)

@@ -11,11 +11,14 @@ per layer (`unstack_layers`: a tuple of layers, each weight [1, ...]), run as an
 loop. Rollout uses the second: under a scan, XLA's CPU backend copies each layer's
 weights and cache out of the stacked arrays at every decode step (about as much memory
 traffic again as the step's own reads), while a layer's own buffers are read in place.
-On a CPU with the packed-matmul kernel (`tlt_jax.cpu.packed_matmul`), the rollout's layout
-also holds float32 matrices and the LM head as that kernel's column panels.
+Where the kernel seam packs weights (`ops.packs_weights`), the rollout's layout also holds
+the matrices and the LM head (`ROLLOUT_HEAD`) in its packed form. Every matmul and the
+attention go through the seam (`tlt_jax.ops`), which takes either form: no code here asks
+which backend it runs on.
 
 Param layout (matrices are [in, out]):
-  embed [V, E]; final_norm [E]; lm_head [E, V] (untied only);
+  embed [V, E]; final_norm [E]; lm_head [E, V] (untied only); in the rollout's layout
+  only, ROLLOUT_HEAD (the head in the seam's packed form);
   layers: attn_norm [L, E], wq [L, E, H*D], wk/wv [L, E, K*D], wo [L, H*D, E],
           bq/bk/bv (qkv_bias), q_norm/k_norm [L, D] (qk_norm),
           mlp_norm [L, E], w_gate/w_up [L, E, F], w_down [L, F, E].
@@ -27,18 +30,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from tlt_jax.cpu import kernels as cpu_kernels
-from tlt_jax.cpu import self_attention as cpu_self_attention
-from tlt_jax.cpu.packed_matmul import PackedWeight, pack
-from tlt_jax.data.packing import block_causal_mask
+from tlt_jax import ops
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.dense import dense, dense_shared_input
 from tlt_jax.models.kv_cache import KVCache, init_cache, layer_buffer
 from tlt_jax.models.rope import apply_rope, inverse_frequencies, rope_tables
-from tlt_jax.pallas.tree_attention import resolve_impl, tree_attention
+from tlt_jax.reference_ops import block_causal_mask
 from tlt_jax.sharding.rules import MeshRules, constrain, spans_devices
 
 Params = dict
+ROLLOUT_HEAD = "packed_lm_head"   # the LM head as the rollout's layout prepared it
 
 
 def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Params:
@@ -68,19 +68,19 @@ def unstack_layers(params: Params, pack_weights: bool | None = None) -> Params:
   [1, ...]): the rollout's layout (module doc). Copies the layer weights once; params
   already split are returned as they are.
 
-  pack_weights also packs every matrix, and the LM head as `packed_lm_head`, into the CPU
-  kernel's panels (`tlt_jax.cpu.packed_matmul`); None packs where that kernel runs."""
-  packed = "packed_lm_head" in params
+  pack_weights also packs every matrix, and the LM head as ROLLOUT_HEAD, into the seam's
+  packed form (`ops.pack`); None packs where the seam says it runs (`ops.packs_weights`)."""
+  packed = ROLLOUT_HEAD in params
   if isinstance(params["layers"], tuple):
     if pack_weights is False and packed:
       raise ValueError("params are in the packed CPU layout; pass them stacked instead")
     return params
   if pack_weights is None:
-    pack_weights = cpu_kernels.enabled(params["embed"].dtype)
+    pack_weights = ops.packs_weights(params["embed"].dtype)
   layers = split_layers(params["layers"], pack_weights)
   if not pack_weights:
     return {**params, "layers": layers}
-  return {**params, "layers": layers, "packed_lm_head": _packed_head(params)}
+  return {**params, "layers": layers, ROLLOUT_HEAD: _packed_head(params)}
 
 
 PACKED_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -91,14 +91,15 @@ def split_layers(layers: Params, pack_weights: bool) -> tuple[Params, ...]:
   """Stacked layers [L, ...] as a tuple of per-layer pytrees [1, ...], their matrices packed
   where pack_weights (`unstack_layers`)."""
   if pack_weights:
-    layers = {name: pack(w) if name in PACKED_MATRICES else w for name, w in layers.items()}
+    layers = {name: ops.pack(w) if name in PACKED_MATRICES else w
+              for name, w in layers.items()}
   num_layers = jax.tree.leaves(layers)[0].shape[0]
   return tuple(jax.tree.map(lambda w: w[i:i + 1], layers) for i in range(num_layers))
 
 
 @jax.jit
-def _packed_head(params: Params) -> PackedWeight:
-  return pack(params["lm_head"] if "lm_head" in params else params["embed"].T)
+def _packed_head(params: Params) -> ops.PackedWeight:
+  return ops.pack(params["lm_head"] if "lm_head" in params else params["embed"].T)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -115,14 +116,18 @@ def embed_tokens(params: Params, tokens: jax.Array) -> jax.Array:
   return jnp.take(params["embed"], tokens, axis=0)
 
 
+def lm_head(params: Params, config: ModelConfig) -> ops.Weight:
+  """The LM head [E, V]: the one the rollout's layout prepared (ROLLOUT_HEAD) where it has
+  one, else lm_head, or the embedding's transpose where they are tied."""
+  if ROLLOUT_HEAD in params:
+    return params[ROLLOUT_HEAD]
+  return params["embed"].T if config.tie_word_embeddings else params["lm_head"]
+
+
 def lm_logits(params: Params, config: ModelConfig, hidden: jax.Array,
               rules: MeshRules | None = None) -> jax.Array:
   """Float32 logits from final (post-norm) hidden states [..., E]."""
-  if "packed_lm_head" in params:   # float32 only (`unstack_layers`)
-    logits = dense(hidden, params["packed_lm_head"])
-  else:
-    head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
-    logits = jnp.einsum("...e,ev->...v", hidden, head, preferred_element_type=jnp.float32)
+  logits = ops.logits(hidden, lm_head(params, config))
   return constrain(logits, ("batch",) + (None,) * (logits.ndim - 2) + ("act_vocab",), rules)
 
 
@@ -140,7 +145,7 @@ def _layer(config: ModelConfig, rules: MeshRules | None, attention_impl: str, x,
   kh, d = config.num_kv_heads, config.head_dim
   # The EAGLE drafter's layer has no input norm: its input is already a projection.
   h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps) if "attn_norm" in layer else x
-  q, k, v = dense_shared_input(h, (layer["wq"], layer["wk"], layer["wv"]))
+  q, k, v = ops.dense_shared_input(h, (layer["wq"], layer["wk"], layer["wv"]))
   if config.qkv_bias:
     q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
   q = constrain(q.reshape(b, t, config.num_heads, d), ("batch", None, "act_heads", None), rules)
@@ -152,14 +157,14 @@ def _layer(config: ModelConfig, rules: MeshRules | None, attention_impl: str, x,
   q, k = apply_rope(q, rope), apply_rope(k, rope)
 
   k, v = k.astype(layer_keys.dtype), v.astype(layer_values.dtype)
-  attn = tree_attention(q, layer_keys, layer_values, cache_mask, k, v, new_mask,
-                        impl=attention_impl, sharded=spans_devices(rules))
-  x = x + dense(attn.reshape(b, t, config.num_heads * d), layer["wo"])
+  attn = ops.attention(q, layer_keys, layer_values, cache_mask, k, v, new_mask,
+                       impl=attention_impl, sharded=spans_devices(rules))
+  x = x + ops.dense(attn.reshape(b, t, config.num_heads * d), layer["wo"])
 
   h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
   gate, up = (constrain(y, ("batch", None, "act_mlp"), rules)
-              for y in dense_shared_input(h, (layer["w_gate"], layer["w_up"])))
-  x = x + dense(jax.nn.silu(gate) * up, layer["w_down"])
+              for y in ops.dense_shared_input(h, (layer["w_gate"], layer["w_up"])))
+  x = x + ops.dense(jax.nn.silu(gate) * up, layer["w_down"])
   return constrain(x, ("batch", None, "act_embed"), rules), k, v
 
 
@@ -176,7 +181,7 @@ def run_layers_new_kv(layers: Params, config: ModelConfig, x: jax.Array, positio
   [B, T, max_len] over the cache (default: the committed prefix). A drafter growing a
   tree over several calls passes a cache_mask that also shows uncommitted ancestors
   written by earlier calls, but not their siblings.
-  attention_impl picks the attention kernel (see `tlt_jax.pallas.tree_attention`).
+  attention_impl picks the attention kernel (`ops.attention`).
   remat recomputes each layer's activations in the backward pass instead of keeping them
   (training memory: one layer's activations instead of every layer's matmul outputs).
   """
@@ -196,16 +201,16 @@ def run_layers_new_kv(layers: Params, config: ModelConfig, x: jax.Array, positio
     if cache.per_layer:
       raise ValueError("stacked layers need a stacked cache (init_cache(per_layer=False))")
     # Under differentiation (training runs stacked), keep only the weight matmuls' outputs
-    # for the backward pass and recompute the rest (norms, RoPE, attention, SiLU) from them.
-    # On a SmolLM2 micro-batch (4 x 256) the attention scores alone would be 1.1 GB per
-    # pass to write, zero and read back: keeping them too took 1.81 GiB of temporaries and
-    # 8% more time than this (1.42 GiB); keeping everything, 2.37 GiB. remat keeps nothing.
-    # The CPU self-attention kernel's output and log-sum-exp are kept too (2.3 MiB a layer
-    # for 2 x 512 slots): its backward needs them, and rerunning its forward cost ~4%.
+    # for the backward pass and recompute the rest (norms, RoPE, attention, SiLU) from them:
+    # a training micro-batch's attention scores are large to write, zero and read back, and
+    # keeping them too took more memory and more time on a SmolLM2 micro-batch (paired A/B
+    # when this was chosen). remat keeps nothing. The kernels' own residuals
+    # (`ops.SAVED_RESIDUALS`, small) are kept too: their backward passes read them, and
+    # rerunning their forward cost more.
     policies = jax.checkpoint_policies
     policy = None if remat else policies.save_from_both_policies(
         policies.dots_with_no_batch_dims_saveable,
-        policies.save_only_these_names(cpu_self_attention.RESIDUALS))
+        policies.save_only_these_names(ops.SAVED_RESIDUALS))
     x, (new_k, new_v) = jax.lax.scan(jax.checkpoint(body, policy=policy), x,
                                      (layers, cache.k, cache.v))
     return x, new_k, new_v
@@ -236,12 +241,11 @@ def forward_packed(params: Params, config: ModelConfig, tokens: jax.Array,
   """Post-norm hidden states [R, T, E] of packed training rows: each sample (segment id)
   sees only its own earlier tokens, positions restart per sample.
 
-  The rows attend among themselves alone: an empty cache has no slots to score or write.
-  On CPU the self-attention kernel takes them (it has a backward pass of its own); on other
-  backends the jnp attention, which training differentiates through."""
+  The rows attend among themselves alone: an empty cache has no slots to score or write;
+  the seam picks their attention (`ops.packed_rows_attention_impl`)."""
   empty = init_cache(config, tokens.shape[0], 0, params["embed"].dtype)
   x = constrain(embed_tokens(params, tokens), ("batch", None, "act_embed"), rules)
-  impl = "auto" if resolve_impl("auto", sharded=spans_devices(rules)) == "cpu" else "reference"
+  impl = ops.packed_rows_attention_impl(spans_devices(rules))
   x, _, _ = run_layers_new_kv(params["layers"], config, x, positions, empty,
                               block_causal_mask(segment_ids), rules,
                               attention_impl=impl, remat=remat)

@@ -1,11 +1,12 @@
 """Tree-verify attention: T new tokens (a draft tree, a decode step, a prefill) against
 each row's KV cache plus themselves.
 
-The kernels compute `tlt_jax.models.attention.attend` with its arguments, and differentiate
-through it: q [B, T, H, D]; the cache's keys/values [B, K, S, D] in the cache's own layout,
-read in place; the new keys/values [B, T, K, D] as a block of their own (GQA, H = K * G);
-cache_mask [B, T, S] and new_mask [B, T, T] bool -> [B, T, H, D] in q.dtype. Handing a
-kernel one key set instead meant copying each layer's whole cache into it at every step.
+The kernels compute `tlt_jax.reference_ops.attend` with its arguments (the seam,
+`tlt_jax.ops.attention`, differentiates them through it): q [B, T, H, D]; the cache's
+keys/values [B, K, S, D] in the cache's own layout, read in place; the new keys/values
+[B, T, K, D] as a block of their own (GQA, H = K * G); cache_mask [B, T, S] and new_mask
+[B, T, T] bool -> [B, T, H, D] in q.dtype. Handing a kernel one key set instead meant
+copying each layer's whole cache into it at every step.
 
 The Pallas kernel runs one program per (batch row, kv head, block of query rows). Its query
 rows are the T new tokens x G heads sharing that kv head, flattened so one matmul serves the
@@ -13,8 +14,7 @@ whole group and each key block is read once; the cache's keys, then the new ones
 streamed in blocks through one online softmax in float32. Shapes are padded to powers of
 two (>= 16) where Triton needs them.
 
-`tree_attention` dispatches among the reference, these kernels and the C++ CPU kernel
-(`tlt_jax.cpu.attention`), which takes decode steps and verifications on CPU.
+`tlt_jax.ops.attention` chooses among the reference, these kernels and the C++ CPU kernel.
 """
 from __future__ import annotations
 
@@ -25,12 +25,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from tlt_jax.cpu import attention as cpu_attention
-from tlt_jax.cpu import kernels as cpu_kernels
-from tlt_jax.cpu import self_attention as cpu_self_attention
-from tlt_jax.models.attention import MASKED, attend
+from tlt_jax.reference_ops import MASKED
 
-IMPLS = ("auto", "reference", "pallas", "triton", "cpu")
 MIN_TRITON_DIM = 16  # tl.dot needs every matmul dimension >= 16
 
 
@@ -182,73 +178,10 @@ def tree_attention_pallas(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
   return ungroup_query_rows(out, t, h, d)
 
 
-def resolve_impl(impl: str, backend: str | None = None, sharded: bool = False) -> str:
-  """'auto' -> the compiled kernel on GPU; on CPU the C++ kernel (`tlt_jax.cpu.attention`)
-  where the CPU kernels run and the operands are not sharded (it sees one device's
-  buffers), else the jnp reference."""
-  if impl not in IMPLS:
-    raise ValueError(f"tree attention impl must be one of {', '.join(IMPLS)}; got {impl!r}")
-  if impl != "auto":
-    return impl
-  backend = backend or jax.default_backend()
-  if backend == "gpu":
-    return "pallas"
-  if backend == "cpu" and not sharded and cpu_kernels.enabled(jnp.float32):
-    return "cpu"
-  return "reference"
-
-
-def tree_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
-                   cache_mask: jax.Array, k: jax.Array, v: jax.Array, new_mask: jax.Array, *,
-                   impl: str = "auto", interpret: bool | None = None,
-                   sharded: bool = False) -> jax.Array:
-  """`attend` by an implementation; interpret=None interprets Pallas off-GPU only. On CPU,
-  over MAX_NEW_TOKENS new tokens without a cache (the trainer's packed rows) take the
-  self-attention kernel, which has its own backward pass; with a cache (a prefill) they
-  take the reference; under 'auto', operands a kernel does not take (bfloat16) do too."""
-  chosen = resolve_impl(impl, sharded=sharded)
-  if (chosen == "cpu" and q.shape[1] > cpu_attention.MAX_NEW_TOKENS and cache_k.shape[2] == 0
-      and cpu_self_attention.supports(q, k, v)):
-    return cpu_self_attention.self_attention(q, k, v, new_mask)
-  if chosen == "cpu" and (q.shape[1] > cpu_attention.MAX_NEW_TOKENS or (
-      impl == "auto" and not cpu_attention.supports(q, cache_k, cache_v, k, v))):
-    chosen = "reference"
-  if chosen == "reference":
-    return attend(q, cache_k, cache_v, cache_mask, k, v, new_mask)
-  if interpret is None:
-    interpret = jax.default_backend() != "gpu"
-  return _kernel_with_reference_vjp(q, cache_k, cache_v, cache_mask, k, v, new_mask, chosen,
-                                    interpret)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _kernel_with_reference_vjp(q, cache_k, cache_v, cache_mask, k, v, new_mask, impl: str,
-                               interpret: bool) -> jax.Array:
-  """A kernel forward; its backward is the reference's (`pallas_call` has no transpose
-  rule, so a loss through the kernel, such as the drafter's, could not be differentiated)."""
-  if impl == "cpu":
-    return cpu_attention.cpu_attention(q, cache_k, cache_v, cache_mask, k, v, new_mask)
-  if impl == "triton":
-    from tlt_jax.pallas.tree_attention_triton import tree_attention_triton
-    return tree_attention_triton(q, cache_k, cache_v, cache_mask, k, v, new_mask)
-  return tree_attention_pallas(q, cache_k, cache_v, cache_mask, k, v, new_mask,
-                               interpret=interpret)
-
-
-def _kernel_fwd(q, cache_k, cache_v, cache_mask, k, v, new_mask, impl, interpret):
-  out = _kernel_with_reference_vjp(q, cache_k, cache_v, cache_mask, k, v, new_mask, impl,
-                                   interpret)
-  return out, (q, cache_k, cache_v, cache_mask, k, v, new_mask)
-
-
-def _reference_bwd(impl, interpret, residuals, grad):
-  del impl, interpret
-  q, cache_k, cache_v, cache_mask, k, v, new_mask = residuals
-  _, pullback = jax.vjp(
-      lambda q, cache_k, cache_v, k, v: attend(q, cache_k, cache_v, cache_mask, k, v, new_mask),
-      q, cache_k, cache_v, k, v)
-  dq, dcache_k, dcache_v, dk, dv = pullback(grad)
-  return dq, dcache_k, dcache_v, None, dk, dv, None
-
-
-_kernel_with_reference_vjp.defvjp(_kernel_fwd, _reference_bwd)
+def __getattr__(name: str):
+  """The attention choice's old names here (`IMPLS`, `resolve_impl`), kept for
+  `tlt_jax.rollout.engine` until it imports them from the seam (`tlt_jax.ops`)."""
+  if name in ("IMPLS", "resolve_impl"):
+    from tlt_jax import ops
+    return ops.ATTENTION_IMPLS if name == "IMPLS" else ops.resolve_attention
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,10 +15,10 @@ import inspect
 import jax
 import jax.numpy as jnp
 
-from tlt_jax.models.attention import MASKED
 from tlt_jax.pallas.tree_attention import (group_mask_rows, group_query_rows,
                                            pow2_at_least, query_row_blocks,
                                            ungroup_query_rows)
+from tlt_jax.reference_ops import MASKED
 
 tl = None  # triton.language, bound by `_load` (Triton resolves kernel names as globals)
 

@@ -1,10 +1,11 @@
 """The rollout's weights: the policy and the learned drafter laid out for the rollout.
 
-The params a trainer or checkpoint holds are one structure on every machine; the rollout
-runs them in its own layout (`unstack_layers`: per layer, and on CPU packed for the matmul
-kernel), placed on the replica's mesh by the sharding rules. The learned drafter reaches
-the rollout as `DraftWeights`, a pytree argument: a new drafter (say after a spot
-trainer's update) is a new argument, never a new config or a recompile.
+The params a trainer or checkpoint holds are one structure on every machine
+(tests/test_param_structure.py); the rollout runs them in its own layout, derived here:
+per layer (`unstack_layers`), with the matrices and heads packed where the kernel seam
+says (`ops.packs_weights`), placed on the replica's mesh by the sharding rules. The learned
+drafter reaches the rollout as `DraftWeights`, a pytree argument: a new drafter (say after
+a spot trainer's update) is a new argument, never a new config or a recompile.
 """
 from __future__ import annotations
 
@@ -14,11 +15,10 @@ import flax.struct
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from tlt_jax.cpu.packed_matmul import PackedWeight
+from tlt_jax import ops
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.drafter import (DrafterParams, draft_head, drafter_logical_axes,
-                                   rollout_layout)
-from tlt_jax.models.transformer import Params, unstack_layers
+from tlt_jax.models.drafter import DrafterParams, draft_head, drafter_logical_axes
+from tlt_jax.models.transformer import ROLLOUT_HEAD, Params, split_layers, unstack_layers
 from tlt_jax.sharding.rules import MeshRules, param_logical_axes, place, spans_devices
 
 
@@ -49,24 +49,36 @@ class _LastMade:
 
 
 _draft_heads, _rollout_drafters = _LastMade(), _LastMade()
+_pack = jax.jit(ops.pack)
+
+
+def drafter_layout(drafter: DrafterParams) -> DrafterParams:
+  """The drafter beside target params in the rollout's packed layout (`unstack_layers`):
+  its layer split out and its matrices packed as a target layer's are, as a drafting level
+  multiplies a few rows by each weight. A drafter the seam does not pack (not float32)
+  stays as it is."""
+  if isinstance(drafter["layers"], tuple) or not ops.packs_weights(drafter["fc_bias"].dtype):
+    return drafter
+  return {**drafter, "fc": _pack(drafter["fc"]),
+          "layers": split_layers(drafter["layers"], True)}
 
 
 def rollout_draft_head(params: Params, config: ModelConfig,
-                       vocab_ids: jax.Array | None) -> jax.Array | PackedWeight:
+                       vocab_ids: jax.Array | None) -> ops.Weight:
   """`draft_head`, reused while the target's head weights (and their packed panels) and the
   draft vocabulary are the same arrays as the last rollout's: its column gather is paid
   again by every call of a caller that generates in many small calls otherwise."""
-  packed = params.get("packed_lm_head")
+  packed = params.get(ROLLOUT_HEAD)
   sources = (params["embed"] if config.tie_word_embeddings else params["lm_head"], vocab_ids,
              None if packed is None else packed.panels)
   return _draft_heads.get(sources, lambda: draft_head(params, config, vocab_ids))
 
 
 def rollout_drafter(drafter: DrafterParams) -> DrafterParams:
-  """`rollout_layout`, reused while the drafter's weights are the same arrays (a spot
+  """`drafter_layout`, reused while the drafter's weights are the same arrays (a spot
   trainer's update makes new ones): packing copies every weight."""
   return _rollout_drafters.get(tuple(jax.tree.leaves(drafter)),
-                               lambda: rollout_layout(drafter))
+                               lambda: drafter_layout(drafter))
 
 
 def place_rollout(params: Params, config: ModelConfig, drafter: DraftWeights | None,
@@ -85,7 +97,7 @@ def place_rollout(params: Params, config: ModelConfig, drafter: DraftWeights | N
     params = place(params, param_logical_axes(config, per_layer=True), rules)
   if drafter is None:
     return params, None
-  packed = "packed_lm_head" in params   # then the drafter is packed beside its target
+  packed = ROLLOUT_HEAD in params   # then the drafter is packed beside its target
   layer = rollout_drafter(drafter.params) if packed else drafter.params
   if rules is None:
     return params, drafter.replace(params=layer)

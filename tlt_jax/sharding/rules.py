@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from tlt_jax.models.config import ModelConfig
+if TYPE_CHECKING:   # for the annotation only: sharding sits below the models
+  from tlt_jax.models.config import ModelConfig
 
 FSDP_TP_RULES: tuple[tuple[str, str], ...] = (
     # params
