@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from absl import flags
 
 from experiments import cli
-from tlt_jax import checkpoint
+from tlt_jax.models import checkpoint
 from tlt_jax.errors import UserInputError
 from tlt_jax.models import hf
 

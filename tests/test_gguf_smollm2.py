@@ -158,7 +158,7 @@ def test_errors_name_the_input(tmp_path):
 
 
 def test_load_model_hf_dir_and_checkpoint(tiny_hf_dirs, tmp_path):
-  from tlt_jax.checkpoint import find_tokenizer_files, save_model_checkpoint
+  from tlt_jax.models.checkpoint import find_tokenizer_files, save_model_checkpoint
   hf_dir = tiny_hf_dirs["llama"]
   from_hf = load_model(hf_dir)
   assert from_hf.tokenizer is not None and from_hf.tokenizer.decode(

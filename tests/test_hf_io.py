@@ -13,7 +13,7 @@ import pytest
 import safetensors.numpy
 
 from tests.hf_fixtures import TINY_KINDS
-from tlt_jax import checkpoint
+from tlt_jax.models import checkpoint
 from tlt_jax.errors import UserInputError
 from tlt_jax.models import hf
 from tlt_jax.models.config import ModelConfig

@@ -29,8 +29,8 @@ import safetensors
 import safetensors.numpy
 from etils import epath
 
-from tlt_jax.checkpoint import (check_tree_shapes, read_tree_metadata, restore_tree,
-                                save_tree)
+from tlt_jax.models.checkpoint import (check_tree_shapes, read_tree_metadata,
+                                       restore_tree, save_tree)
 from tlt_jax.drafter.losses import CE_WEIGHT, eagle_loss
 from tlt_jax.data.packing import PackedRows
 from tlt_jax.errors import UserInputError

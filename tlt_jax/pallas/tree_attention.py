@@ -177,11 +177,3 @@ def tree_attention_pallas(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
     group_mask_rows(new_mask, groups, rows, new_seq))
   return ungroup_query_rows(out, t, h, d)
 
-
-def __getattr__(name: str):
-  """The attention choice's old names here (`IMPLS`, `resolve_impl`), kept for
-  `tlt_jax.rollout.engine` until it imports them from the seam (`tlt_jax.ops`)."""
-  if name in ("IMPLS", "resolve_impl"):
-    from tlt_jax import ops
-    return ops.ATTENTION_IMPLS if name == "IMPLS" else ops.resolve_attention
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

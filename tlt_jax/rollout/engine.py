@@ -32,7 +32,7 @@ from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import init_drafter_cache
 from tlt_jax.models.kv_cache import KVCache, init_cache
 from tlt_jax.models.transformer import Params
-from tlt_jax.pallas.tree_attention import IMPLS, resolve_impl
+from tlt_jax.ops import ATTENTION_IMPLS, resolve_attention
 from tlt_jax.rollout import decode, hybrid as hybrid_lib, ngram, speculative
 from tlt_jax.rollout.buckets import BucketSpec
 from tlt_jax.rollout.drafting import DraftInputs
@@ -274,8 +274,9 @@ def tail_seconds(trace: Sequence[tuple[float, int]], num_prompts: int) -> float:
 
 
 def check_attention_impl(attention_impl: str) -> None:
-  if attention_impl not in IMPLS:
-    raise UserInputError(f"--attention_impl={attention_impl!r}: expected one of {', '.join(IMPLS)}")
+  if attention_impl not in ATTENTION_IMPLS:
+    raise UserInputError(f"--attention_impl={attention_impl!r}: expected one of "
+                         f"{', '.join(ATTENTION_IMPLS)}")
 
 
 def chunk_reach(longest_live: int, chunk_steps: int, spec: SpecConfig | None) -> int:
@@ -291,7 +292,7 @@ def windowed_attention(attention_impl: str, rules: MeshRules | None) -> bool:
   """Whether chunks attend over a window of the cache (copied out and back per chunk). The
   CPU attention kernel reads only the slots a query sees, where a window only adds the
   copies (SmolLM2, batch 8: ~2 ms a step)."""
-  return resolve_impl(attention_impl, sharded=spans_devices(rules)) != "cpu"
+  return resolve_attention(attention_impl, sharded=spans_devices(rules)) != "cpu"
 
 
 def chunk_window(longest_live: int, chunk_steps: int, spec: SpecConfig | None,
