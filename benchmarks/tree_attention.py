@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tlt_jax.models.attention import attend
+from tlt_jax.reference_ops import attend
 from tlt_jax.pallas.tree_attention import tree_attention_pallas
 
 
