@@ -526,6 +526,7 @@ class _Loop:
     self.trace, self.context_trace, self.buckets_used = [], [], [rollout.plan.batch]
     self.spec_on_at, self.steps_below, self.chunk_start, self.plain_chunks = None, 0, 0, 0
     self.strategy_chunks, self.played, self.context_sizes = collections.Counter(), None, None
+    self.generated = self.emitted = 0   # tokens so far, and by the last chunk
 
   def observe(self, state) -> tuple[int, int]:
     """A chunk boundary: the live rows and the longest live row's length; traces them and
