@@ -44,7 +44,7 @@ from tlt_jax.cpu import kernels as cpu_kernels
 from tlt_jax.errors import UserInputError
 from tlt_jax.models.bundled import smollm2_gguf_path
 from tlt_jax.models.loading import load_model
-from tlt_jax.models.transformer import unstack_layers
+from tlt_jax.rollout.weights import rollout_layout
 from tlt_jax.rollout.buckets import BucketSpec
 from tlt_jax.rollout.engine import generate
 from tlt_jax.rollout.sampling import SamplingParams
@@ -312,7 +312,7 @@ def main() -> None:
   path = smollm2_gguf_path()
   start = time.perf_counter()
   tlt_model = load_model("smollm2", dtype=jnp.float32)
-  tlt_params = unstack_layers(tlt_model.params)   # the rollout's layout, made once
+  tlt_params = rollout_layout(tlt_model.params)   # the rollout's layout, made once
   log(f"tlt_jax load {time.perf_counter() - start:.1f}s")
   start = time.perf_counter()
   hf_model = load_hf(path)

@@ -148,7 +148,7 @@ def main(argv):
   from tlt_jax.drafter.trainer import load_drafter
   from tlt_jax.errors import UserInputError
   from tlt_jax.models.loading import load_model
-  from tlt_jax.models.transformer import unstack_layers
+  from tlt_jax.rollout.weights import rollout_layout
   from tlt_jax.rollout.engine import generate
   from tlt_jax.rollout.hybrid import HybridConfig
   from tlt_jax.rollout.ngram import NgramConfig
@@ -179,7 +179,7 @@ def main(argv):
                     else SpecStrategy.parse(_NGRAM_STRATEGY.value, "--ngram_strategy"))
   asked = questions.load({"main": (questions.MAIN_TASKS, num_prompts, _SEED.value)})["main"]
   model = load_model(_MODEL.value, dtype=jnp.float32)
-  params = unstack_layers(model.params)   # the rollout's layout, once for every rollout
+  params = rollout_layout(model.params)   # the rollout's layout, once for every rollout
   tokenizer = model.tokenizer
   drafter, vocab_ids = load_drafter(_DRAFTER.value, model.config)
   weights = DraftWeights(drafter, None if vocab_ids is None else jnp.asarray(vocab_ids))

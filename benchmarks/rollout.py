@@ -115,7 +115,7 @@ def main(argv):
 
   from tlt_jax.drafter.trainer import load_drafter
   from tlt_jax.models.loading import load_model
-  from tlt_jax.models.transformer import unstack_layers
+  from tlt_jax.rollout.weights import rollout_layout
   from tlt_jax.rollout.engine import generate
   from tlt_jax.rollout.precompile import precompile
   from tlt_jax.rollout.sampling import SamplingParams
@@ -130,7 +130,7 @@ def main(argv):
   model = load_model(_MODEL.value, dtype=jnp.float32)
   # The rollout's per-layer layout once, as the RL loop makes it once per weight version
   # (batch-1 settings run one generate per prompt).
-  params = unstack_layers(model.params)
+  params = rollout_layout(model.params)
   tokenizer = model.tokenizer
   drafter, vocab_ids = load_drafter(_DRAFTER.value, model.config)
   vocab_ids = None if vocab_ids is None else jnp.asarray(vocab_ids)

@@ -77,7 +77,7 @@ def main(argv):
 
   from tlt_jax.drafter.trainer import load_drafter
   from tlt_jax.models.loading import load_model
-  from tlt_jax.models.transformer import unstack_layers
+  from tlt_jax.rollout.weights import rollout_layout
   from tlt_jax.rollout import engine, speculative
   from tlt_jax.rollout.engine import generate
   from tlt_jax.rollout.spec_config import SpecConfig
@@ -85,7 +85,7 @@ def main(argv):
   from tlt_jax.rollout.sampling import SamplingParams
 
   model = load_model("smollm2", dtype=jnp.float32)
-  params, config = unstack_layers(model.params), model.config
+  params, config = rollout_layout(model.params), model.config
   drafter, vocab_ids = load_drafter(_DRAFTER.value, config)
   asked = questions.load({"main": (questions.MAIN_TASKS, 1, _SEED.value)})["main"]
   prompt = model.tokenizer.chat_prompt(asked[0])

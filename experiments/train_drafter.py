@@ -95,7 +95,7 @@ def log(message: str) -> None:
 
 def load_or_generate_corpus(model, out_dir: str) -> dict:
   """The cached corpus if it was made with these settings, completed if it is partial."""
-  from tlt_jax.models.transformer import unstack_layers
+  from tlt_jax.rollout.weights import rollout_layout
   from tlt_jax.rollout.engine import generate
   from tlt_jax.rollout.sampling import SamplingParams
 
@@ -126,7 +126,7 @@ def load_or_generate_corpus(model, out_dir: str) -> dict:
   corpus["skipped_prompts"] = _NUM_PROMPTS.value - len(prompts)
   eos_ids = tuple(sorted(set(config.eos_token_ids) | set(tokenizer.eos_token_ids)))
   sampling = SamplingParams(temperature=_TEMPERATURE.value)
-  params = unstack_layers(model.params)   # the rollout's layout, once for every chunk
+  params = rollout_layout(model.params)   # the rollout's layout, once for every chunk
   while len(corpus["samples"]) < len(prompts):
     start = len(corpus["samples"])
     chunk = prompts[start:start + _GEN_BATCH.value]

@@ -12,6 +12,7 @@ from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.kv_cache import init_cache
 from tlt_jax.rollout import decode
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.weights import rollout_layout
 
 CONFIG = ModelConfig(model_type="qwen3", vocab_size=67, hidden_size=48, intermediate_size=80,
                      num_layers=3, num_heads=4, num_kv_heads=2, head_dim=12, qk_norm=True,
@@ -31,9 +32,9 @@ def _prefill_then_step(params, cache):
 
 def test_per_layer_layout_matches_stacked():
   params = transformer.init_params(CONFIG, jax.random.key(0))
-  split = transformer.unstack_layers(params)
+  split = rollout_layout(params)
   assert isinstance(split["layers"], tuple) and len(split["layers"]) == CONFIG.num_layers
-  assert transformer.unstack_layers(split) is split
+  assert rollout_layout(split) is split
   want = _prefill_then_step(params, init_cache(CONFIG, BATCH, CACHE_LEN))
   got = _prefill_then_step(split, init_cache(CONFIG, BATCH, CACHE_LEN, per_layer=True))
   np.testing.assert_allclose(got[0], want[0], atol=1e-5)
@@ -44,7 +45,7 @@ def test_per_layer_layout_matches_stacked():
 
 
 def test_decode_program_reads_layer_buffers_in_place():
-  params = transformer.unstack_layers(transformer.init_params(CONFIG, jax.random.key(0)))
+  params = rollout_layout(transformer.init_params(CONFIG, jax.random.key(0)))
   state = decode.empty_state(init_cache(CONFIG, BATCH, CACHE_LEN, per_layer=True),
                              jnp.full((BATCH,), 9), jnp.ones((BATCH,), bool), jax.random.key(1),
                              max_new_tokens=9, keep_hidden=False,

@@ -11,6 +11,7 @@ from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.kv_cache import init_cache
 from tlt_jax.rollout import decode
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.weights import rollout_layout
 
 CONFIG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -27,7 +28,7 @@ def _empty_state(rows: int, cache_len: int):
 
 def _prefill_temp_bytes(prompt_len: int) -> int:
   """Temporary bytes of the compiled prefill of one prompt of `prompt_len` tokens."""
-  params = transformer.unstack_layers(transformer.init_params(CONFIG, jax.random.key(0)))
+  params = rollout_layout(transformer.init_params(CONFIG, jax.random.key(0)))
   state = jax.eval_shape(lambda: _empty_state(1, prompt_len))
   compiled = decode.prefill_rows.lower(
       params, state, jnp.zeros((1, prompt_len), jnp.int32), jnp.ones((1,), jnp.int32),
@@ -46,7 +47,7 @@ def test_prefill_in_passes_matches_one_pass(impl):
   """Two distinct prompts of 13 and 30 tokens copied to three rows, in passes of 8 and 7
   positions (the last pass shorter) and in one: the same cache, record and first tokens,
   with the jnp attention and the kernel (interpreted off-GPU)."""
-  params = transformer.unstack_layers(transformer.init_params(CONFIG, jax.random.key(1)))
+  params = rollout_layout(transformer.init_params(CONFIG, jax.random.key(1)))
   rng = np.random.RandomState(0)
   tokens = rng.randint(0, CONFIG.vocab_size, (2, 32)).astype(np.int32)
   prefill = lambda chunk, impl: decode.prefill_rows(

@@ -17,9 +17,10 @@ from tlt_jax.cpu import kernels
 from tlt_jax.cpu import packed_matmul as pm
 from tlt_jax.models import transformer
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.drafter import (draft_head, draft_logits, drafter_forward,
-                                   init_drafter_cache, init_drafter_params)
+from tlt_jax.models.drafter import (draft_logits, drafter_forward, init_drafter_cache,
+                                   init_drafter_params)
 from tlt_jax.models.kv_cache import init_cache
+from tlt_jax.rollout.weights import rollout_draft_head, rollout_layout
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_kernel = pytest.mark.skipif(
@@ -127,8 +128,8 @@ def test_weights_sharing_an_input_give_the_bits_of_one_call_each(rows):
 def test_rollout_layout_packs_and_matches_the_plain_layout():
   config = _small_config()
   params = transformer.init_params(config, jax.random.key(0))
-  packed = transformer.unstack_layers(params)          # auto: packs on this CPU
-  plain = transformer.unstack_layers(params, pack_weights=False)
+  packed = rollout_layout(params)          # auto: packs on this CPU
+  plain = rollout_layout(params, pack_weights=False)
   assert isinstance(packed["layers"][0]["w_up"], pm.PackedWeight)
   assert isinstance(packed["packed_lm_head"], pm.PackedWeight)
   tokens = jnp.asarray(np.random.default_rng(2).integers(0, 61, (3, 6)))
@@ -141,7 +142,7 @@ def test_rollout_layout_packs_and_matches_the_plain_layout():
 
   np.testing.assert_allclose(logits(packed), logits(plain), atol=1e-5)
   with pytest.raises(ValueError, match="packed CPU layout"):
-    transformer.unstack_layers(packed, pack_weights=False)
+    rollout_layout(packed, pack_weights=False)
 
 
 @needs_kernel
@@ -154,8 +155,8 @@ def test_the_draft_head_is_packed_with_the_rollout_layout(tied, draft_vocab):
   params = transformer.init_params(config, jax.random.key(1))
   vocab_ids = None if draft_vocab is None else jnp.asarray(
       np.random.default_rng(3).permutation(61)[:draft_vocab])
-  packed = draft_head(transformer.unstack_layers(params), config, vocab_ids)
-  plain = draft_head(transformer.unstack_layers(params, pack_weights=False), config, vocab_ids)
+  packed = rollout_draft_head(rollout_layout(params), config, vocab_ids)
+  plain = rollout_draft_head(rollout_layout(params, pack_weights=False), config, vocab_ids)
   assert isinstance(packed, pm.PackedWeight) and not isinstance(plain, pm.PackedWeight)
   hidden = jax.random.normal(jax.random.key(4), (3, 2, 48))
   np.testing.assert_allclose(draft_logits(packed, hidden), draft_logits(plain, hidden),
@@ -195,7 +196,7 @@ def test_the_rollout_packs_the_drafter_once_beside_a_packed_target():
   """`place_rollout` packs a float32 drafter beside the packed target, reuses it while its
   weights are the same arrays, packs new weights anew, and leaves a bfloat16 drafter (no
   kernel for it) stacked; the draft head is packed with the target and reused alike."""
-  from tlt_jax.rollout.weights import DraftWeights, place_rollout, rollout_draft_head
+  from tlt_jax.rollout.weights import DraftWeights, place_rollout
   config = _small_config(num_layers=1)
   params = transformer.init_params(config, jax.random.key(8))
   drafter = init_drafter_params(config, jax.random.key(9))
@@ -209,7 +210,7 @@ def test_the_rollout_packs_the_drafter_once_beside_a_packed_target():
   assert not isinstance(place(half)[1].params["layers"], tuple)
   head = rollout_draft_head(placed, config, None)
   assert isinstance(head, pm.PackedWeight) and rollout_draft_head(placed, config, None) is head
-  plain = transformer.unstack_layers(params, pack_weights=False)
+  plain = rollout_layout(params, pack_weights=False)
   assert not isinstance(rollout_draft_head(plain, config, None), pm.PackedWeight)
 
 

@@ -20,7 +20,7 @@ from tlt_jax.rollout.learned_drafter import LearnedDrafter, LearnedState
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.spec_config import SpecConfig, SpecMemory
 from tlt_jax.rollout.strategy import SpecStrategy
-from tlt_jax.rollout.weights import DraftWeights
+from tlt_jax.rollout.weights import DraftWeights, rollout_layout
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -556,7 +556,7 @@ def test_each_strategy_fits_its_tree_shape_to_its_own_draws():
   those statistics alone, so they show which counts a strategy reads."""
   from tlt_jax.rollout import learned_drafter, speculative
   config, params, drafter = _model(50, seed=3)
-  params = transformer.unstack_layers(params)
+  params = rollout_layout(params)
   chain, tree = parse_strategies("4_1_5,3_2_5")
   spec = SpecConfig(bandit=BanditConfig((chain, tree)), draft_temperature_ratio=0.7)
   state, static = _speculating(params, drafter, config, spec, _prompts(50, (5, 9, 3, 7)), 40,
@@ -602,7 +602,7 @@ def test_long_adaptive_trees_keep_plain_sampling():
   from scipy.stats import chi2_contingency
   from tlt_jax.rollout import speculative
   config, params, drafter = _model(6, seed=11)
-  params = transformer.unstack_layers(params)
+  params = rollout_layout(params)
   strategy = SpecStrategy(4, 3, 7)
   spec = SpecConfig(strategy=strategy)
   sampling = SamplingParams(temperature=1.0)

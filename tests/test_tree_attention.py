@@ -26,6 +26,7 @@ from tlt_jax.data.packing import block_causal_mask
 from tlt_jax.models.kv_cache import init_cache
 from tlt_jax.pallas.tree_attention import tree_attention_pallas
 from tlt_jax.reference_ops import attend
+from tlt_jax.rollout.weights import rollout_layout
 
 FP32_TOL = 1e-5
 
@@ -178,7 +179,7 @@ def test_kernel_path_reads_the_cache_in_place(new_tokens):
                        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True,
                        max_position_embeddings=512)
   batch, cache_len = 2, 256
-  params = transformer.unstack_layers(transformer.init_params(config, jax.random.key(0)))
+  params = rollout_layout(transformer.init_params(config, jax.random.key(0)))
   cache = init_cache(config, batch, cache_len, per_layer=True)
   prompt = jnp.asarray(np.random.RandomState(0).randint(0, config.vocab_size, (batch, 9)))
   _, cache = transformer.forward(params, config, prompt,

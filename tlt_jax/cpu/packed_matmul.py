@@ -8,7 +8,7 @@ streams the weights (SmolLM2's layer shapes, 4-16 rows, 2 cores); the panels str
 contiguously and serve up to four rows (eight on the AVX-512 path) from registers at once;
 more rows take each panel a block of k at a time, every pass over the block from L1 while
 the next streams in.
-Only the rollout's layout packs (`transformer.unstack_layers`); training and checkpoints
+Only the rollout's layout packs (`rollout.weights.rollout_layout`); training and checkpoints
 keep plain [K, N] weights.
 
 The rollout packs where the seam says (`tlt_jax.ops.packs_weights`: where `kernels.enabled`,

@@ -90,20 +90,12 @@ def drafter_forward_new_kv(drafter: DrafterParams, target: transformer.Params,
 
 
 def draft_head(target: transformer.Params, config: ModelConfig,
-               vocab_ids: jax.Array | None) -> ops.Weight:
-  """[E, Vd] LM head restricted to the draft vocabulary (the full head when None), laid out
-  as the target's head is: a target in the rollout's packed layout (one with a
-  `transformer.ROLLOUT_HEAD`) gives it packed too, as a drafting level multiplies a few
-  rows by the whole head."""
-  prepared = target.get(transformer.ROLLOUT_HEAD)
-  if prepared is not None and vocab_ids is None:
-    return prepared
+               vocab_ids: jax.Array | None) -> jax.Array:
+  """[E, Vd] LM head restricted to the draft vocabulary (the full head when None)."""
   if config.tie_word_embeddings:
-    head = _tied_head(target["embed"], vocab_ids)
-  else:
-    head = target["lm_head"]
-    head = head if vocab_ids is None else jnp.take(head, vocab_ids, axis=1)
-  return head if prepared is None else ops.pack_like(head, prepared)
+    return _tied_head(target["embed"], vocab_ids)
+  head = target["lm_head"]
+  return head if vocab_ids is None else jnp.take(head, vocab_ids, axis=1)
 
 
 @jax.jit

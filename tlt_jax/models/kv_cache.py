@@ -6,7 +6,7 @@ K/V of new tokens at `lengths[b] + i` without advancing; the caller commits with
 `advance`, which is how a rejected draft suffix is discarded for free.
 
 Each of k and v is either one buffer for every layer [L, B, K, S, D] or a tuple of one
-buffer per layer, each [1, B, K, S, D] (see `transformer.unstack_layers`): a decode step
+buffer per layer, each [1, B, K, S, D] (see `rollout.weights.rollout_layout`): a decode step
 that reads a layer's slice of a stacked buffer gets a copy of it on XLA's CPU backend,
 while a layer's own buffer is read in place. Every method serves both forms.
 """

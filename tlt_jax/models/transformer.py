@@ -7,14 +7,14 @@ tokens the mask allows.
 
 Two layouts of the layers, one set of functions: stacked (every weight [L, ...]), run under
 `lax.scan` so compile time does not grow with depth (training, checkpoints, import), and
-per layer (`unstack_layers`: a tuple of layers, each weight [1, ...]), run as an unrolled
-loop. Rollout uses the second: under a scan, XLA's CPU backend copies each layer's
-weights and cache out of the stacked arrays at every decode step (about as much memory
-traffic again as the step's own reads), while a layer's own buffers are read in place.
-Where the kernel seam packs weights (`ops.packs_weights`), the rollout's layout also holds
-the matrices and the LM head (`ROLLOUT_HEAD`) in its packed form. Every matmul and the
-attention go through the seam (`tlt_jax.ops`), which takes either form: no code here asks
-which backend it runs on.
+per layer (a tuple of layers, each weight [1, ...]), run as an unrolled loop. Rollout uses
+the second: under a scan, XLA's CPU backend copies each layer's weights and cache out of
+the stacked arrays at every decode step (about as much memory traffic again as the step's
+own reads), while a layer's own buffers are read in place. The rollout's layout, with the
+matrices and the LM head (`ROLLOUT_HEAD`) packed where the kernel seam packs weights, is
+derived from the stacked params in one place, `tlt_jax.rollout.weights.rollout_layout`.
+Every matmul and the attention go through the seam (`tlt_jax.ops`), which takes either
+form: no code here asks which backend it runs on.
 
 Param layout (matrices are [in, out]):
   embed [V, E]; final_norm [E]; lm_head [E, V] (untied only); in the rollout's layout
@@ -24,8 +24,6 @@ Param layout (matrices are [in, out]):
           mlp_norm [L, E], w_gate/w_up [L, E, F], w_down [L, F, E].
 """
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -61,45 +59,6 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Param
   if not config.tie_word_embeddings:
     params["lm_head"] = normal((e, v), e ** -0.5)
   return params
-
-
-def unstack_layers(params: Params, pack_weights: bool | None = None) -> Params:
-  """The params with their layers split into a tuple of per-layer pytrees (each weight
-  [1, ...]): the rollout's layout (module doc). Copies the layer weights once; params
-  already split are returned as they are.
-
-  pack_weights also packs every matrix, and the LM head as ROLLOUT_HEAD, into the seam's
-  packed form (`ops.pack`); None packs where the seam says it runs (`ops.packs_weights`)."""
-  packed = ROLLOUT_HEAD in params
-  if isinstance(params["layers"], tuple):
-    if pack_weights is False and packed:
-      raise ValueError("params are in the packed CPU layout; pass them stacked instead")
-    return params
-  if pack_weights is None:
-    pack_weights = ops.packs_weights(params["embed"].dtype)
-  layers = split_layers(params["layers"], pack_weights)
-  if not pack_weights:
-    return {**params, "layers": layers}
-  return {**params, "layers": layers, ROLLOUT_HEAD: _packed_head(params)}
-
-
-PACKED_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def split_layers(layers: Params, pack_weights: bool) -> tuple[Params, ...]:
-  """Stacked layers [L, ...] as a tuple of per-layer pytrees [1, ...], their matrices packed
-  where pack_weights (`unstack_layers`)."""
-  if pack_weights:
-    layers = {name: ops.pack(w) if name in PACKED_MATRICES else w
-              for name, w in layers.items()}
-  num_layers = jax.tree.leaves(layers)[0].shape[0]
-  return tuple(jax.tree.map(lambda w: w[i:i + 1], layers) for i in range(num_layers))
-
-
-@jax.jit
-def _packed_head(params: Params) -> ops.PackedWeight:
-  return ops.pack(params["lm_head"] if "lm_head" in params else params["embed"].T)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

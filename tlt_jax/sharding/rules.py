@@ -71,7 +71,7 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None], rules: MeshRules
 
 def param_logical_axes(config: ModelConfig, per_layer: bool = False) -> dict[str, Any]:
   """Logical axes of every parameter, the same tree structure as the params; per_layer:
-  for the rollout's layout (`transformer.unstack_layers`: each layer's weights [1, ...])."""
+  for the rollout's layout (`rollout.weights.rollout_layout`: each layer's weights [1, ...])."""
   layers = {
       "attn_norm": ("layers", None),
       "wq": ("layers", "embed", "heads"),
