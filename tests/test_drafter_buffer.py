@@ -17,6 +17,7 @@ import pytest
 from tests import drafter_checkpoint_child as child
 from tlt_jax import optim
 from tlt_jax.data import packing
+from tlt_jax.drafter import array_file
 from tlt_jax.drafter import buffer as buffer_lib
 from tlt_jax.drafter import online, trainer
 from tlt_jax.drafter.checkpoints import DrafterCheckpoints
@@ -238,11 +239,29 @@ def test_a_samples_loss_is_the_same_packed_or_alone(target_params):
 
 # ---- state and checkpoints -------------------------------------------------------------
 
+def test_array_file_keeps_every_dtype_bit_for_bit(tmp_path):
+  path = str(tmp_path / "a.npz")
+  arrays = {"bf16": (np.arange(12, dtype=np.float32) / 7).astype(jnp.bfloat16).reshape(3, 4),
+            "nan": np.array([np.nan, -0.0, np.inf], np.float32),
+            "empty": np.zeros((0, 5), np.float16), "flag": np.array([True, False]),
+            "scalar": np.array(7, np.int32)}
+  array_file.write_arrays(path, arrays)
+  back = array_file.read_arrays(path)
+  assert back.keys() == arrays.keys()
+  for name, value in arrays.items():
+    assert (back[name].dtype, back[name].shape) == (value.dtype, value.shape)
+    assert back[name].tobytes() == value.tobytes()
+  (tmp_path / "bad.npz").write_bytes(b"not a zip")
+  with pytest.raises(UserInputError, match="bad.npz: not a readable array file"):
+    array_file.read_arrays(str(tmp_path / "bad.npz"))
+
+
 def test_buffer_state_round_trip_gives_the_same_next_batch(tmp_path):
   buffer = buffer_lib.OnlineBuffer(BUFFER)
-  _fill(buffer, 2, _fake(15, seed=1))
-  _fill(buffer, 3, _fake(9, seed=2, first_token=40))
-  buffer.batch(3)
+  as_bf16 = lambda seqs: [(p, r, h.astype(jnp.bfloat16)) for p, r, h in seqs]
+  _fill(buffer, 2, as_bf16(_fake(15, seed=1)))
+  _fill(buffer, 3, as_bf16(_fake(9, seed=2, first_token=40)))
+  assert buffer.batch(3).hidden.dtype == jnp.bfloat16
   buffer_lib.save_state(str(tmp_path), buffer.state_dict())
   again = buffer_lib.OnlineBuffer(BUFFER)
   buffer_lib.load_state(str(tmp_path), again)
