@@ -365,7 +365,6 @@ def test_stop_is_checked_between_steps_and_ends_within_one_step(target_params):
   assert 0 < report.steps < 100_000 and report.stop_seen >= set_at[0]
   # At most the step in flight when the stop came ends after it.
   assert sum(end > set_at[0] for _, end in report.spans) <= 1
-  assert report.seconds >= 0.5
 
 
 def test_online_steps_on_repetitive_data_lower_the_heldout_loss(target_params):
