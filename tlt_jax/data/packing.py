@@ -41,22 +41,39 @@ def response_slots(length: int, prompt_len: int) -> range:
   return range(max(prompt_len - 1, 0), length - 1)
 
 
+class FirstFit:
+  """Fills rows of `seq_len` slots first fit, one sample at a time; `rows` is the layout
+  so far: rows of (sample index, start slot). With `max_rows`, a sample that fits in none
+  of them is refused."""
+
+  def __init__(self, seq_len: int, max_rows: int | None = None):
+    self.seq_len, self.max_rows = seq_len, max_rows
+    self.rows: list[list[tuple[int, int]]] = []
+    self._used: list[int] = []
+
+  def place(self, index: int, length: int) -> bool:
+    """Puts sample `index` of `length` <= seq_len slots in the first row with room."""
+    slot = next((r for r, taken in enumerate(self._used) if taken + length <= self.seq_len),
+                None)
+    if slot is None:
+      if self.max_rows is not None and len(self.rows) == self.max_rows:
+        return False
+      self.rows.append([])
+      self._used.append(0)
+      slot = len(self.rows) - 1
+    self.rows[slot].append((index, self._used[slot]))
+    self._used[slot] += length
+    return True
+
+
 def place_samples(lengths: Sequence[int], seq_len: int) -> list[list[tuple[int, int]]]:
   """First-fit decreasing: rows of (sample index, start slot); every length <= seq_len.
 
   Longest first (ties keep their order), so the layout is deterministic in the lengths."""
-  order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-  rows: list[list[tuple[int, int]]] = []
-  used: list[int] = []
-  for i in order:
-    slot = next((r for r, taken in enumerate(used) if taken + lengths[i] <= seq_len), None)
-    if slot is None:
-      rows.append([])
-      used.append(0)
-      slot = len(rows) - 1
-    rows[slot].append((i, used[slot]))
-    used[slot] += lengths[i]
-  return rows
+  fit = FirstFit(seq_len)
+  for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+    fit.place(i, lengths[i])
+  return fit.rows
 
 
 def pack_samples(samples: Sequence[tuple[Sequence[int], int]], seq_len: int) -> PackedRows:
@@ -74,21 +91,26 @@ def pack_samples(samples: Sequence[tuple[Sequence[int], int]], seq_len: int) -> 
       kept.append((ids, prompt_len))
   if not kept:
     raise UserInputError("drafter corpus: no sample has a response token to train on")
-  placement = place_samples([len(ids) for ids, _ in kept], seq_len)
-  rows = [[kept[i] for i, _ in row] for row in placement]
+  return layout_rows(kept, place_samples([len(ids) for ids, _ in kept], seq_len), seq_len)
 
-  shape = (len(rows), seq_len)
+
+def layout_rows(samples: Sequence[tuple[Sequence[int], int]],
+                layout: Sequence[Sequence[tuple[int, int]]], seq_len: int,
+                num_rows: int | None = None) -> PackedRows:
+  """PackedRows holding (token_ids, prompt_len) samples where `layout` (rows of (sample
+  index, start slot), as `place_samples` returns) puts them; rows past the layout's, up to
+  `num_rows`, are padding."""
+  shape = (len(layout) if num_rows is None else num_rows, seq_len)
   tokens, positions, segment_ids = (np.zeros(shape, np.int32) for _ in range(3))
   loss_mask = np.zeros(shape, np.float32)
-  for r, row in enumerate(rows):
-    start = 0
-    for segment, (ids, prompt_len) in enumerate(row, start=1):
+  for r, row in enumerate(layout):
+    for segment, (i, start) in enumerate(row, start=1):
+      ids, prompt_len = samples[i]
       end = start + len(ids)
       tokens[r, start:end] = ids
       positions[r, start:end] = np.arange(len(ids))
       segment_ids[r, start:end] = segment
       slots = response_slots(len(ids), prompt_len)
       loss_mask[r, start + slots.start:start + slots.stop] = 1.0
-      start = end
   return PackedRows(tokens=tokens, positions=positions, segment_ids=segment_ids,
                     loss_mask=loss_mask)
