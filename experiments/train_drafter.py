@@ -11,9 +11,11 @@ then holds the drafter files (see tlt_jax/drafter/trainer.py) and metrics.json.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
+from typing import Any
 
 from absl import flags
 
@@ -228,49 +230,42 @@ def _evaluate(drafter_params, target_params, rows, hidden, vocab, config, batch_
   return {k: v / max(slots, 1.0) for k, v in totals.items()} | {"slots": int(slots)}
 
 
-def main(argv):
-  del argv
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
+@dataclasses.dataclass
+class _Corpus:
+  """The corpus split for training: every 20th sample held out, each split packed."""
+  samples: list
+  train: list
+  held_out: list
+  train_rows: Any
+  eval_rows: Any
 
-  from tlt_jax import optim
+
+def _split_corpus(corpus: dict, extra: list[dict]) -> _Corpus:
   from tlt_jax.data import packing
-  from tlt_jax.drafter import losses, trainer
-  from tlt_jax.models import drafter
-  from tlt_jax.models.loading import load_model
 
-  out_dir = _OUT.value
-  cli.check_output_dir(out_dir, "--out")
-  has_checkpoint = os.path.isdir(os.path.join(out_dir, trainer.CHECKPOINT))
-  if _RESUME.value and not has_checkpoint:
-    raise UserInputError(f"--resume: {out_dir} has no drafter checkpoint")
-  if _RESUME.value and _INIT_FROM.value:
-    raise UserInputError(f"--init_from={_INIT_FROM.value}: give it or --resume, not both")
-  validate_tasks(_TASKS.value)
-  extra = [read_corpus(path, _MODEL.value, "--extra_corpora") for path in _EXTRA_CORPORA.value]
-  os.makedirs(out_dir, exist_ok=True)
-
-  log(f"loading {_MODEL.value} ...")
-  model = load_model(_MODEL.value, dtype=jnp.float32)
-  config = model.config
-  if _DRAFT_VOCAB.value > config.vocab_size:
-    raise UserInputError(f"--draft_vocab_size={_DRAFT_VOCAB.value}: exceeds the model's "
-                         f"vocabulary of {config.vocab_size}")
-  corpus = load_or_generate_corpus(model, out_dir)
-  if _CORPUS_ONLY.value:
-    log(f"wrote {os.path.join(out_dir, CORPUS)}: {len(corpus['samples'])} samples")
-    return
   samples = corpus["samples"] + [s for c in extra for s in c["samples"]]
   # Every 20th sample is held out to measure the drafter on responses it never saw.
   is_held_out = lambda i: len(samples) >= 20 and i % 20 == 19
   held_out = [s for i, s in enumerate(samples) if is_held_out(i)]
   train = [s for i, s in enumerate(samples) if not is_held_out(i)]
   as_pairs = lambda ss: [(s["prompt_ids"] + s["response_ids"], len(s["prompt_ids"])) for s in ss]
-  train_rows = packing.pack_samples(as_pairs(train), _SEQ_LEN.value)
-  eval_rows = packing.pack_samples(as_pairs(held_out), _SEQ_LEN.value) if held_out else None
+  return _Corpus(samples, train, held_out, packing.pack_samples(as_pairs(train), _SEQ_LEN.value),
+                 packing.pack_samples(as_pairs(held_out), _SEQ_LEN.value) if held_out else None)
 
-  initial = None
+
+def _response_tokens(samples: list):
+  import numpy as np
+  return np.concatenate([np.zeros((0,), np.int64)]
+                        + [np.asarray(s["response_ids"], np.int64) for s in samples])
+
+
+def _starting_drafter(config, data: _Corpus, out_dir: str):
+  """(initial drafter params or None, draft vocabulary or None): from --resume's or
+  --init_from's drafter, else the vocabulary of the training responses."""
+  import numpy as np
+
+  from tlt_jax.drafter import trainer
+
   if _RESUME.value or _INIT_FROM.value:
     source = out_dir if _RESUME.value else _INIT_FROM.value
     initial, vocab = trainer.load_drafter(source, config)
@@ -279,42 +274,48 @@ def main(argv):
       raise UserInputError(f"--draft_vocab_size={_DRAFT_VOCAB.value}: the drafter in "
                            f"{source} has {stored}")
   elif _DRAFT_VOCAB.value:
-    vocab = trainer.select_draft_vocab([s["response_ids"] for s in train], _DRAFT_VOCAB.value,
-                                       vocab_size=config.vocab_size)
+    initial = None
+    vocab = trainer.select_draft_vocab([s["response_ids"] for s in data.train],
+                                       _DRAFT_VOCAB.value, vocab_size=config.vocab_size)
   else:
-    vocab = None
-  responses = lambda ss: np.concatenate(
-      [np.zeros((0,), np.int64)] + [np.asarray(s["response_ids"], np.int64) for s in ss])
-  response_tokens = responses(samples)
+    initial, vocab = None, None
   # Measured on held-out responses when there are any: the draft vocabulary saw the rest.
-  coverage_on = responses(held_out) if held_out else response_tokens
+  coverage_on = _response_tokens(data.held_out if data.held_out else data.samples)
   coverage = 1.0 if vocab is None else float(np.isin(coverage_on, vocab).mean())
-  log(f"corpus: {len(train)} train + {len(held_out)} held-out samples, "
-      f"{response_tokens.size} response tokens; {train_rows.num_rows} rows x {_SEQ_LEN.value}; "
-      f"draft vocab {'full' if vocab is None else len(vocab)} covers {coverage:.1%} of "
-      f"{'held-out ' if held_out else ''}response tokens")
-  vocab_device = None if vocab is None else jnp.asarray(vocab)
+  log(f"corpus: {len(data.train)} train + {len(data.held_out)} held-out samples, "
+      f"{_response_tokens(data.samples).size} response tokens; {data.train_rows.num_rows} rows "
+      f"x {_SEQ_LEN.value}; draft vocab {'full' if vocab is None else len(vocab)} covers "
+      f"{coverage:.1%} of {'held-out ' if data.held_out else ''}response tokens")
+  return initial, vocab, coverage
 
+
+def _precomputed_hidden(model, corpus: dict, extra: list[dict], data: _Corpus, out_dir: str):
+  """(train, held-out) target hidden states for every packed row where they fit in memory
+  (else None, None: each step runs the target forward)."""
+  config = model.config
   row_bytes = _SEQ_LEN.value * config.hidden_size * 4
-  precompute = row_bytes * (train_rows.num_rows + (eval_rows.num_rows if eval_rows else 0)) \
-      <= _HIDDEN_CACHE_BYTES
-  train_hidden = eval_hidden = None
-  if precompute:
-    began = time.perf_counter()
-    key = {"corpus": corpus["settings"], "extra_corpora": [c["settings"] for c in extra],
-           "samples": len(samples), "seq_len": _SEQ_LEN.value}
-    train_hidden = _cached_rows_hidden(
-        out_dir, "train", key | {"rows": train_rows.num_rows},
-        lambda: _rows_hidden(model.params, train_rows, _BATCH_ROWS.value, config))
-    if eval_rows is not None:
-      eval_hidden = _cached_rows_hidden(
-          out_dir, "held_out", key | {"rows": eval_rows.num_rows},
-          lambda: _rows_hidden(model.params, eval_rows, _BATCH_ROWS.value, config))
-    log(f"target hidden states for all rows: {time.perf_counter() - began:.0f}s")
+  rows = data.train_rows.num_rows + (data.eval_rows.num_rows if data.eval_rows else 0)
+  if row_bytes * rows > _HIDDEN_CACHE_BYTES:
+    return None, None
+  began = time.perf_counter()
+  key = {"corpus": corpus["settings"], "extra_corpora": [c["settings"] for c in extra],
+         "samples": len(data.samples), "seq_len": _SEQ_LEN.value}
+  hidden = lambda split, rows: _cached_rows_hidden(
+      out_dir, split, key | {"rows": rows.num_rows},
+      lambda: _rows_hidden(model.params, rows, _BATCH_ROWS.value, config))
+  train_hidden = hidden("train", data.train_rows)
+  eval_hidden = None if data.eval_rows is None else hidden("held_out", data.eval_rows)
+  log(f"target hidden states for all rows: {time.perf_counter() - began:.0f}s")
+  return train_hidden, eval_hidden
 
-  warmup = _STEPS.value // 20 if _WARMUP.value is None else _WARMUP.value
-  ce_weight = losses.CE_WEIGHT if _CE_WEIGHT.value is None else _CE_WEIGHT.value
-  optimizer = optim.make_optimizer(_LR.value, _STEPS.value, warmup)
+
+def _initial_state(config, initial, optimizer, out_dir: str, has_checkpoint: bool):
+  """(train state, train history, held-out history): fresh, from --init_from, or resumed."""
+  import jax
+
+  from tlt_jax.drafter import trainer
+  from tlt_jax.models import drafter
+
   state = trainer.init_train_state(
       drafter.init_drafter_params(config, jax.random.key(_SEED.value)) if initial is None
       else initial, optimizer)
@@ -329,64 +330,151 @@ def main(argv):
     log(f"starting from the weights of {_INIT_FROM.value}")
   elif has_checkpoint:
     log(f"{out_dir} holds a drafter; training a new one over it (use --resume to continue)")
+  return state, history, evals
 
-  def evaluate(step: int) -> None:
-    metrics = _evaluate(state.params, model.params, eval_rows, eval_hidden, vocab_device,
-                        config, _BATCH_ROWS.value, ce_weight)
-    evals.append(metrics | {"step": step})
+
+def _check_flags(out_dir: str) -> tuple[bool, list[dict]]:
+  """Every flag checked before the model loads: (OUT holds a checkpoint, extra corpora)."""
+  from tlt_jax.drafter import trainer
+
+  cli.check_output_dir(out_dir, "--out")
+  has_checkpoint = os.path.isdir(os.path.join(out_dir, trainer.CHECKPOINT))
+  if _RESUME.value and not has_checkpoint:
+    raise UserInputError(f"--resume: {out_dir} has no drafter checkpoint")
+  if _RESUME.value and _INIT_FROM.value:
+    raise UserInputError(f"--init_from={_INIT_FROM.value}: give it or --resume, not both")
+  validate_tasks(_TASKS.value)
+  return has_checkpoint, [read_corpus(path, _MODEL.value, "--extra_corpora")
+                          for path in _EXTRA_CORPORA.value]
+
+
+class _Training:
+  """The training loop's state: the train state, its histories and what each step needs."""
+
+  def __init__(self, model, data: _Corpus, vocab, hidden, initial, out_dir: str,
+               has_checkpoint: bool):
+    import jax.numpy as jnp
+
+    from tlt_jax.drafter import losses
+    from tlt_jax import optim
+
+    self.model, self.data, self.vocab, self.out_dir = model, data, vocab, out_dir
+    self.vocab_device = None if vocab is None else jnp.asarray(vocab)
+    self.train_hidden, self.eval_hidden = hidden
+    self.ce_weight = losses.CE_WEIGHT if _CE_WEIGHT.value is None else _CE_WEIGHT.value
+    warmup = _STEPS.value // 20 if _WARMUP.value is None else _WARMUP.value
+    self.optimizer = optim.make_optimizer(_LR.value, _STEPS.value, warmup)
+    self.state, self.history, self.evals = _initial_state(
+        model.config, initial, self.optimizer, out_dir, has_checkpoint)
+
+  def evaluate(self, step: int) -> None:
+    metrics = _evaluate(self.state.params, self.model.params, self.data.eval_rows,
+                        self.eval_hidden, self.vocab_device, self.model.config,
+                        _BATCH_ROWS.value, self.ce_weight)
+    self.evals.append(metrics | {"step": step})
     log(f"step {step} held-out: loss {metrics['loss']:.4f} {_acceptance(metrics)} "
         f"over {metrics['slots']} slots")
 
-  if _INIT_FROM.value and eval_rows is not None:
-    evaluate(0)  # the starting point a continuation is measured against
-  save = lambda: trainer.save_drafter(out_dir, state, vocab, config, target_source=_MODEL.value)
-  window, began = [], time.perf_counter()
-  for step in range(int(state.step), _STEPS.value):
-    idx = _batch_indices(step, _BATCH_ROWS.value, train_rows.num_rows, _SEED.value)
-    batch = jax.tree.map(lambda a: a[idx], train_rows)
-    hidden = None if train_hidden is None else train_hidden[idx]
-    state, metrics = trainer.train_step(state, model.params, batch, vocab_device, hidden,
-                                        config=config, optimizer=optimizer,
-                                        ce_weight=ce_weight, unroll=_UNROLL.value)
-    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-    window.append(metrics | {"tokens": int((batch.segment_ids > 0).sum())})
-    done = step + 1
-    if done % _LOG_EVERY.value == 0 or done == _STEPS.value:
-      elapsed = time.perf_counter() - began
-      record = {k: float(np.mean([m[k] for m in window])) for k in window[0]} | {
-          "step": done, "tokens_per_s": sum(m["tokens"] for m in window) / elapsed}
-      history.append(record)
-      log(f"step {done}/{_STEPS.value} loss {record['loss']:.4f} "
-          f"(l1 {record['smooth_l1']:.4f} ce {record['soft_ce']:.3f}) "
-          f"{_acceptance(record)} grad {record['grad_norm']:.2f} "
-          f"{record['tokens_per_s']:.0f} tokens/s")
-      window = []
-    if eval_rows is not None and (done % _EVAL_EVERY.value == 0 or done == _STEPS.value):
-      evaluate(done)
-    if done % _SAVE_EVERY.value == 0 and done < _STEPS.value:
-      save()
-    if not window:
-      began = time.perf_counter()  # evaluation and saving stay out of tokens/s
-  save()
-  if eval_rows is not None and (not evals or evals[-1]["step"] != int(state.step)):
-    evaluate(int(state.step))
+  def save(self) -> None:
+    from tlt_jax.drafter import trainer
+    trainer.save_drafter(self.out_dir, self.state, self.vocab, self.model.config,
+                         target_source=_MODEL.value)
 
-  lengths = [len(s["response_ids"]) for s in samples]
-  cli.write_json_atomic(os.path.join(out_dir, METRICS), {
-      "step": int(state.step), "model": _MODEL.value,
-      "train": history[-1] if history else None, "held_out": evals[-1] if evals else None,
-      "history": history, "held_out_history": evals,
-      "corpus": {"samples": len(samples), "train_samples": len(train),
-                 "held_out_samples": len(held_out), "train_rows": train_rows.num_rows,
-                 "response_tokens": int(response_tokens.size),
-                 "response_len_mean": float(np.mean(lengths)),
-                 "eos_frac": float(np.mean([s["finish_reason"] == "eos" for s in samples])),
-                 "skipped_prompts": corpus["skipped_prompts"],
-                 "generate_s": corpus["generate_s"]},
-      "draft_vocab_size": None if vocab is None else len(vocab),
-      "draft_vocab_coverage": coverage,
-  })
-  log(f"wrote {out_dir}: drafter at step {int(state.step)}")
+  def train_step(self, step: int) -> dict:
+    import jax
+
+    from tlt_jax.drafter import trainer
+
+    rows = self.data.train_rows
+    idx = _batch_indices(step, _BATCH_ROWS.value, rows.num_rows, _SEED.value)
+    batch = jax.tree.map(lambda a: a[idx], rows)
+    hidden = None if self.train_hidden is None else self.train_hidden[idx]
+    self.state, metrics = trainer.train_step(
+        self.state, self.model.params, batch, self.vocab_device, hidden,
+        config=self.model.config, optimizer=self.optimizer, ce_weight=self.ce_weight,
+        unroll=_UNROLL.value)
+    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    return metrics | {"tokens": int((batch.segment_ids > 0).sum())}
+
+  def log_window(self, window: list[dict], done: int, elapsed: float) -> None:
+    import numpy as np
+    record = {k: float(np.mean([m[k] for m in window])) for k in window[0]} | {
+        "step": done, "tokens_per_s": sum(m["tokens"] for m in window) / elapsed}
+    self.history.append(record)
+    log(f"step {done}/{_STEPS.value} loss {record['loss']:.4f} "
+        f"(l1 {record['smooth_l1']:.4f} ce {record['soft_ce']:.3f}) "
+        f"{_acceptance(record)} grad {record['grad_norm']:.2f} "
+        f"{record['tokens_per_s']:.0f} tokens/s")
+
+  def run(self) -> None:
+    """Trains to --steps, logging, evaluating and saving on their schedules."""
+    held_out = self.data.eval_rows is not None
+    if _INIT_FROM.value and held_out:
+      self.evaluate(0)  # the starting point a continuation is measured against
+    window, began = [], time.perf_counter()
+    for step in range(int(self.state.step), _STEPS.value):
+      window.append(self.train_step(step))
+      done = step + 1
+      if done % _LOG_EVERY.value == 0 or done == _STEPS.value:
+        self.log_window(window, done, time.perf_counter() - began)
+        window = []
+      if held_out and (done % _EVAL_EVERY.value == 0 or done == _STEPS.value):
+        self.evaluate(done)
+      if done % _SAVE_EVERY.value == 0 and done < _STEPS.value:
+        self.save()
+      if not window:
+        began = time.perf_counter()  # evaluation and saving stay out of tokens/s
+    self.save()
+    if held_out and (not self.evals or self.evals[-1]["step"] != int(self.state.step)):
+      self.evaluate(int(self.state.step))
+
+  def write_metrics(self, corpus: dict, coverage: float) -> None:
+    import numpy as np
+    data, samples = self.data, self.data.samples
+    lengths = [len(s["response_ids"]) for s in samples]
+    cli.write_json_atomic(os.path.join(self.out_dir, METRICS), {
+        "step": int(self.state.step), "model": _MODEL.value,
+        "train": self.history[-1] if self.history else None,
+        "held_out": self.evals[-1] if self.evals else None,
+        "history": self.history, "held_out_history": self.evals,
+        "corpus": {"samples": len(samples), "train_samples": len(data.train),
+                   "held_out_samples": len(data.held_out),
+                   "train_rows": data.train_rows.num_rows,
+                   "response_tokens": int(_response_tokens(samples).size),
+                   "response_len_mean": float(np.mean(lengths)),
+                   "eos_frac": float(np.mean([s["finish_reason"] == "eos" for s in samples])),
+                   "skipped_prompts": corpus["skipped_prompts"],
+                   "generate_s": corpus["generate_s"]},
+        "draft_vocab_size": None if self.vocab is None else len(self.vocab),
+        "draft_vocab_coverage": coverage,
+    })
+
+
+def main(argv):
+  del argv
+  import jax.numpy as jnp
+
+  from tlt_jax.models.loading import load_model
+
+  out_dir = _OUT.value
+  has_checkpoint, extra = _check_flags(out_dir)
+  os.makedirs(out_dir, exist_ok=True)
+  log(f"loading {_MODEL.value} ...")
+  model = load_model(_MODEL.value, dtype=jnp.float32)
+  if _DRAFT_VOCAB.value > model.config.vocab_size:
+    raise UserInputError(f"--draft_vocab_size={_DRAFT_VOCAB.value}: exceeds the model's "
+                         f"vocabulary of {model.config.vocab_size}")
+  corpus = load_or_generate_corpus(model, out_dir)
+  if _CORPUS_ONLY.value:
+    log(f"wrote {os.path.join(out_dir, CORPUS)}: {len(corpus['samples'])} samples")
+    return
+  data = _split_corpus(corpus, extra)
+  initial, vocab, coverage = _starting_drafter(model.config, data, out_dir)
+  hidden = _precomputed_hidden(model, corpus, extra, data, out_dir)
+  training = _Training(model, data, vocab, hidden, initial, out_dir, has_checkpoint)
+  training.run()
+  training.write_metrics(corpus, coverage)
+  log(f"wrote {out_dir}: drafter at step {int(training.state.step)}")
 
 
 if __name__ == "__main__":

@@ -40,11 +40,11 @@ def expected_accept_length(rates: Sequence[float]) -> float:
   return float(np.sum(np.cumprod(np.asarray(rates, np.float64))))
 
 
-def heldout_accept(params: DrafterParams, target_params: Params,
+def heldout_levels(params: DrafterParams, target_params: Params,
                    windows: Sequence[tuple[PackedRows, Any]], vocab_ids: jax.Array | None, *,
-                   config: ModelConfig, greedy: bool, depth: int) -> float:
-  """E[L] of `params` over held-out (rows, target hidden states) batches, each level's rate
-  weighted by the response slots each batch trains."""
+                   config: ModelConfig, greedy: bool, depth: int) -> tuple[np.ndarray, float]:
+  """(slot-weighted sums of a_1..a_depth, response slots) of `params` over held-out (rows,
+  target hidden states) batches: sums, so replicas can add theirs before dividing."""
   totals, slots = np.zeros(depth), 0.0
   for rows, hidden in windows:
     metrics = jax.device_get(trainer.eval_step(params, target_params, rows, vocab_ids, hidden,
@@ -52,9 +52,22 @@ def heldout_accept(params: DrafterParams, target_params: Params,
     n = float(metrics["trained_slots"])
     totals += n * np.asarray(level_rates(metrics, greedy, depth))
     slots += n
+  return totals, slots
+
+
+def accept_from_levels(totals: np.ndarray, slots: float) -> float:
+  """E[L] from `heldout_levels`' sums (added over replicas)."""
   if slots == 0:
-    raise ValueError("heldout_accept: the held-out windows hold no response slot")
-  return expected_accept_length(totals / slots)
+    raise ValueError("held-out windows hold no response slot")
+  return expected_accept_length(np.asarray(totals) / slots)
+
+
+def heldout_accept(params: DrafterParams, target_params: Params,
+                   windows: Sequence[tuple[PackedRows, Any]], vocab_ids: jax.Array | None, *,
+                   config: ModelConfig, greedy: bool, depth: int) -> float:
+  """E[L] of `params` over held-out batches of one process."""
+  return accept_from_levels(*heldout_levels(params, target_params, windows, vocab_ids,
+                                            config=config, greedy=greedy, depth=depth))
 
 
 @dataclasses.dataclass(frozen=True)

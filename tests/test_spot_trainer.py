@@ -1,0 +1,99 @@
+"""The spot trainer's step: observe a rollout, train while idle until stopped, average the
+replicas' drafters by steps trained, deploy only what beats the deployed drafter."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tlt_jax.data import packing
+from tlt_jax.drafter import trainer
+from tlt_jax.drafter.buffer import BufferConfig
+from tlt_jax.errors import UserInputError
+from tlt_jax.models import drafter, transformer
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.rl import spot_trainer
+from tlt_jax.rollout.weights import DraftWeights
+
+CONFIG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
+                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                     max_position_embeddings=128, tie_word_embeddings=True)
+
+
+def _rollout(target, seed: int, count: int):
+  """(prompt, response, hidden) triples as a rollout hands them over: responses repeat a
+  pattern, hidden states are the target's over the whole sequence but its last token."""
+  rng = np.random.default_rng(seed)
+  pattern = rng.integers(3, CONFIG.vocab_size, 5).tolist()
+  out = []
+  for _ in range(count):
+    prompt = rng.integers(3, CONFIG.vocab_size, 4).tolist()
+    response = pattern * int(rng.integers(2, 5))
+    sequence = prompt + response
+    row = packing.pack_samples([(sequence, len(prompt))], len(sequence))
+    hidden = trainer.target_hidden(target, row, config=CONFIG)
+    out.append((prompt, response, np.asarray(hidden[0, :-1])))
+  return out
+
+
+@pytest.fixture(scope="module")
+def target():
+  return transformer.init_params(CONFIG, jax.random.key(0))
+
+
+def _trainer(**overrides):
+  config = spot_trainer.SpotConfig(
+      buffer=BufferConfig(seq_len=32, batch_rows=4, context=4, heldout_fraction=0.25),
+      lr=3e-3, lr_steps=200, **overrides)
+  deployed = DraftWeights(drafter.init_drafter_params(CONFIG, jax.random.key(2)))
+  return spot_trainer.SpotTrainer(config, CONFIG, deployed)
+
+
+def test_a_trained_candidate_is_deployed_and_a_tie_is_not(target):
+  spot = _trainer()
+  spot.observe(1, _rollout(target, 1, 16))
+  before = jax.tree.map(np.asarray, spot.deployed.params)
+  assert not spot.sync(0)                                  # nobody trained: nothing changes
+  tie = spot.gate(target)
+  assert tie["drafter/deployed"] == 0
+  assert tie["drafter/heldout_accept_candidate"] == tie["drafter/heldout_accept_deployed"]
+
+  calls = []
+  report = spot.train_while_idle(1, target, lambda: len(calls.append(0) or calls) > 40)
+  assert report.steps == 40 and report.discarded == 0 and report.stop_seen is not None
+  assert spot.sync(report.steps)                           # one process: its own average
+  metrics = spot.gate(target)
+  assert metrics["drafter/deployed"] == 1
+  assert (metrics["drafter/heldout_accept_candidate"]
+          > metrics["drafter/heldout_accept_deployed"] + 0.1)
+  jax.tree.map(np.testing.assert_array_equal, spot.deployed.params, spot.state.params)
+  # The deployed drafter is a copy: training on donates the candidate, not it.
+  more = iter([False] * 5 + [True])
+  spot.train_while_idle(1, target, lambda: next(more))
+  assert not all(np.array_equal(a, b) for a, b in zip(
+      jax.tree.leaves(before), jax.tree.leaves(spot.deployed.params)))
+
+
+def test_weighted_average_of_replicas():
+  a = {"0": np.array([1.0, 2.0], np.float32), "1": np.array(7, np.int32), "steps": np.array(3)}
+  b = {"0": np.array([5.0, 6.0], np.float32), "1": np.array(9, np.int32), "steps": np.array(1)}
+  avg = spot_trainer.weighted_average([a, b], 2)
+  np.testing.assert_array_equal(avg[0], np.array([2.0, 3.0], np.float32))
+  assert avg[0].dtype == np.float32 and int(avg[1]) == 7      # ints: the busiest replica's
+  # Every process averages the same gathered copies in the same order: the same bits.
+  np.testing.assert_array_equal(avg[0], spot_trainer.weighted_average([a, b], 2)[0])
+  idle = {**b, "steps": np.array(0)}
+  np.testing.assert_array_equal(spot_trainer.weighted_average([a, idle], 2)[0], a["0"])
+  assert spot_trainer.weighted_average([{**a, "steps": np.array(0)}, idle], 2) is None
+
+
+def test_on_decay_trains_only_after_the_accept_length_drops():
+  spot = _trainer(train="on_decay", decay_tolerance=0.1)
+  assert not spot.wants_training(3.0)        # first measurement: the best so far
+  assert not spot.wants_training(2.8)
+  assert spot.wants_training(2.6)            # 2.6 < 3.0 * 0.9
+  assert _trainer().wants_training(3.0)      # always
+
+
+def test_bad_train_mode_is_one_line():
+  with pytest.raises(UserInputError, match="--drafter_train='sometimes'"):
+    spot_trainer.SpotConfig(train="sometimes")

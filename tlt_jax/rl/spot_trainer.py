@@ -1,0 +1,187 @@
+"""The drafter's side of an RL step, what TLT adds to GRPO: train the drafter online on the
+devices the long tail leaves idle, keep every replica's drafter the same, deploy it only
+when it beats the deployed one.
+
+Per replica and RL step:
+1. `observe`: the replica's own responses, with the hidden states its rollout computed
+   anyway, go into its online buffer (`drafter/buffer.py`: one-step offset, held-out split).
+2. `train_while_idle`: once its rows are done, the replica trains the drafter from its
+   buffer until the control plane says the last replica has finished (`stop`, read between
+   drafter steps only, so the rollout's end waits at most one drafter step).
+3. `sync`: one collective leaves the same candidate on every replica: the replicas'
+   drafters averaged, weighted by the steps each trained. Every replica starts a step from
+   the same drafter, so this is one round of local SGD; a replica that did not train counts
+   zero, and where none trained nothing changes. Optimizer moments average alike; integer
+   leaves (step counts) come from the replica that trained most. The average is formed on
+   every process from the gathered copies in process order, so every replica holds the
+   same bits.
+4. `gate`: deployed and candidate drafters are scored on the held-out windows of the
+   latest rollout, summed over replicas (`drafter/gate.py`); the candidate replaces the
+   deployed drafter only if it scores higher. With `train="on_decay"` training waits
+   until the deployed drafter's measured accept length decays.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Iterable, Protocol, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tlt_jax import optim
+from tlt_jax.drafter import gate as gate_lib
+from tlt_jax.drafter import online
+from tlt_jax.drafter.buffer import BufferConfig, OnlineBuffer
+from tlt_jax.drafter.trainer import TrainState, init_train_state
+from tlt_jax.errors import UserInputError
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.transformer import Params
+from tlt_jax.rollout.weights import DraftWeights
+
+TRAIN_MODES = ("always", "on_decay")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpotConfig:
+  train: str = "always"            # "always" | "on_decay"
+  buffer: BufferConfig = BufferConfig()
+  lr: float = 3e-4
+  lr_steps: int = 100_000          # the drafter's cosine schedule length, in drafter steps
+  max_steps: int = 10_000          # drafter steps per RL step, at most
+  unroll: int = 2                  # loss passes; also the chain depth the gate scores
+  greedy: bool = False             # gate on top-1 agreement (greedy rollouts) or sampling
+  gate_margin: float = 0.0
+  decay_tolerance: float = 0.1
+
+  def __post_init__(self):
+    if self.train not in TRAIN_MODES:
+      raise UserInputError(f"--drafter_train={self.train!r}: expected one of "
+                           f"off, {', '.join(TRAIN_MODES)}")
+    if self.max_steps < 1 or self.unroll < 1:
+      raise UserInputError("--drafter_max_steps and --drafter_unroll: must be >= 1")
+
+
+class Collective(Protocol):
+  """Gathers host arrays from every process, in process order (each gets every copy)."""
+
+  def allgather(self, arrays: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]: ...
+
+
+class OneProcess:
+  def allgather(self, arrays: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+    return [arrays]
+
+
+def weighted_average(copies: list[dict[str, np.ndarray]], num_leaves: int
+                     ) -> list[np.ndarray] | None:
+  """Leaves "0".."num_leaves-1" of every copy averaged by its "steps" (floating leaves, in
+  float64, in copy order: the same bits on every process), integer leaves from the copy
+  with the most steps; None where every copy has 0 steps."""
+  weights = np.asarray([int(c["steps"]) for c in copies], np.float64)
+  if weights.sum() == 0:
+    return None
+  most = int(np.argmax(weights))
+  weights /= weights.sum()
+  averaged = []
+  for i in map(str, range(num_leaves)):
+    dtype = copies[0][i].dtype
+    if jnp.issubdtype(dtype, jnp.floating):
+      total = sum(w * c[i].astype(np.float64) for w, c in zip(weights, copies))
+      averaged.append(np.asarray(total).astype(dtype))
+    else:
+      averaged.append(copies[most][i])
+  return averaged
+
+
+def _copy(tree):
+  return jax.tree.map(jnp.copy, tree)
+
+
+class SpotTrainer:
+  """A replica's drafter trainer, buffer, deployed drafter and gate (module doc)."""
+
+  def __init__(self, config: SpotConfig, model_config: ModelConfig, deployed: DraftWeights,
+               collective: Collective = OneProcess()):
+    self.config, self.model_config, self.collective = config, model_config, collective
+    self.optimizer = optim.make_optimizer(config.lr, config.lr_steps)
+    self.deployed = deployed
+    # train steps donate their state: the deployed drafter keeps arrays of its own.
+    self.state: TrainState = init_train_state(_copy(deployed.params), self.optimizer)
+    self.buffer = OnlineBuffer(config.buffer)
+    self.watch = gate_lib.DecayWatch(config.decay_tolerance)
+
+  def observe(self, step: int, sequences: Iterable[tuple[Sequence[int], Sequence[int], Any]]
+              ) -> None:
+    """(prompt ids, response ids, hidden states [n_fed, E]) of this replica's rollout."""
+    for prompt, response, hidden in sequences:
+      if len(response):
+        self.buffer.add(step, prompt, response, hidden)
+
+  def wants_training(self, accept_len: float | None) -> bool:
+    """Whether to train this step: always, or (on_decay) once the deployed drafter's accept
+    length on this step's rollout fell below its best since deployment."""
+    if self.config.train == "always" or accept_len is None:
+      return True
+    decayed = self.watch.decayed(accept_len)
+    self.watch.observe(accept_len)
+    return decayed
+
+  def train_while_idle(self, step: int, target_params: Params,
+                       stop: Callable[[], bool]) -> online.StepsReport:
+    self.state, report = online.train_steps(
+        self.state, target_params, self.buffer, step, stop, self.config.max_steps,
+        config=self.model_config, optimizer=self.optimizer,
+        vocab_ids=self.deployed.vocab_ids, unroll=self.config.unroll)
+    return report
+
+  def sync(self, steps_trained: int) -> bool:
+    """Every replica's candidate becomes the steps-weighted average of all (module doc);
+    False (and nothing changes) where no replica trained."""
+    leaves, treedef = jax.tree.flatten(jax.device_get(self.state))
+    mine = {str(i): np.asarray(leaf) for i, leaf in enumerate(leaves)}
+    mine["steps"] = np.asarray(steps_trained, np.int64)
+    averaged = weighted_average(self.collective.allgather(mine), len(leaves))
+    if averaged is None:
+      return False
+    self.state = jax.tree.map(jnp.asarray, jax.tree.unflatten(treedef, averaged))
+    return True
+
+  def gate(self, target_params: Params) -> dict[str, Any]:
+    """Scores deployed and candidate on every replica's held-out windows of the latest
+    step; deploys the candidate if it wins. Returns the drafter/heldout_* metrics."""
+    began = time.perf_counter()
+    windows = [(b.rows, b.hidden) for b in self.buffer.heldout()]
+    score = lambda params: gate_lib.heldout_levels(
+        params, target_params, windows, self.deployed.vocab_ids, config=self.model_config,
+        greedy=self.config.greedy, depth=self.config.unroll)
+    (deployed, slots), (candidate, _) = score(self.deployed.params), score(self.state.params)
+    copies = self.collective.allgather({"deployed": deployed, "candidate": candidate,
+                                        "slots": np.asarray(slots)})
+    slots = float(sum(c["slots"] for c in copies))
+    if slots == 0:
+      return {"drafter/deployed": 0}
+    deployed, candidate = (gate_lib.accept_from_levels(sum(c[k] for c in copies), slots)
+                           for k in ("deployed", "candidate"))
+    deploys = gate_lib.DeployGate(self.config.gate_margin).deploys(deployed, candidate)
+    if deploys:
+      self.deployed = self.deployed.replace(params=_copy(self.state.params))
+      self.watch.deployed_new()
+    return {"drafter/heldout_accept_deployed": deployed,
+            "drafter/heldout_accept_candidate": candidate,
+            "drafter/deployed": int(deploys), "timing/drafter_gate_s": time.perf_counter() - began}
+
+  def checkpoint_state(self) -> dict[str, Any]:
+    """What `DrafterCheckpoints` saves beside the buffer: candidate train state and the
+    deployed drafter (which may be older than the candidate)."""
+    return {"candidate": self.state, "deployed": self.deployed.params}
+
+  def restore(self, saved: dict[str, Any], host_state: dict[str, Any]) -> None:
+    """Continues from `checkpoint_state()` as restored and `host_state()`."""
+    self.state = saved["candidate"]
+    self.deployed = self.deployed.replace(params=saved["deployed"])
+    self.watch.load_state_dict(host_state["watch"])
+
+  def host_state(self) -> dict[str, Any]:
+    return {"watch": self.watch.state_dict()}
