@@ -69,12 +69,12 @@ def main(argv):
   processes = replica_flags.start_processes()       # before anything imports jax
   try:
     train(processes)
-  except Exception:
-    if processes.count > 1:   # most often the echo of a dead replica: let its line win
+  except BaseException as e:
+    # Another error with several replicas is most often the echo of a dead one (a failed
+    # collective): let the watcher's line about it win. Errors of the run's own are shown.
+    own = (UserInputError, OSError, KeyboardInterrupt, SystemExit)
+    if processes.count > 1 and not isinstance(e, own):
       processes.wait_for_failure(timeout_s=5.0)
-    processes.abandon()
-    raise
-  except BaseException:
     processes.abandon()
     raise
   code = processes.finish()

@@ -77,7 +77,8 @@ def test_resume_with_replicas(runs, tiny_hf_dirs, tmp_path):
 def test_a_dead_replica_ends_the_run_in_one_line(tiny_hf_dirs, tmp_path):
   start = time.perf_counter()
   proc = run_cli(str(tmp_path / "run"), tiny_hf_dirs["qwen2"], "--steps=3", "--replicas=2",
-                 *FLAGS, env_extra={"TLT_JAX_KILL_AT": "step:1@1"}, check=False)
+                 "--eval_every=0", *FLAGS, env_extra={"TLT_JAX_KILL_AT": "step:1@1"},
+                 check=False)
   assert proc.returncode == EXIT_REPLICA_FAILED, proc.stderr[-3000:]
   errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
   assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]

@@ -90,8 +90,9 @@ class RunCheckpoints:
       raise UserInputError(f"{self.directory}/{step}: cannot restore the checkpoint "
                            f"({str(e).splitlines()[0][:300]})") from None
     state = restored[STATE]
-    if self.multi_process:
-      state = jax.device_put(state, jax.tree.map(lambda x: x.sharding, template))
+    if self.multi_process:   # through the host: a device array cannot join another's mesh
+      state = jax.device_put(jax.device_get(state), jax.tree.map(lambda x: x.sharding,
+                                                                 template))
     return state, restored[META]
 
   def close(self) -> None:

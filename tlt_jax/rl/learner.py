@@ -190,19 +190,24 @@ class Learner:
     local = self.score(rollouts, mine, group_size=settings.group_size)
     reward_s = time.perf_counter() - t
     t = time.perf_counter()
-    scored, per_replica = gather_scored(local, items, self.replicas, settings.group_size,
-                                        settings.max_new_tokens, {"rollout_s": rollout_s})
+    scored, per_replica = gather_scored(
+        local, items, self.replicas, settings.group_size, settings.max_new_tokens,
+        {"rollout_s": rollout_s, "tokens": rollouts.stats["generated_tokens"]})
     return scored, {"rollout_s": rollout_s, "reward_s": reward_s,
                     "gather_s": time.perf_counter() - t,
-                    "replica_rollout_s": per_replica["rollout_s"]}
+                    "replica_rollout_s": per_replica["rollout_s"],
+                    "replica_tokens": per_replica["tokens"]}
 
   def replica_metrics(self, times: dict[str, Any]) -> dict[str, Any]:
-    """With several replicas: each one's rollout seconds, the gather's wait here, and the
-    replica-seconds spent waiting for the slowest (what the long tail leaves idle)."""
+    """With several replicas: the tokens all generated, each one's rollout seconds, the
+    gather's wait here, and the replica-seconds spent waiting for the slowest (what the
+    long tail leaves idle). The engine's other stats (tail, live rows, SD) stay this
+    replica's own."""
     if self.replicas.count == 1:
       return {}
     per_replica = times["replica_rollout_s"]
-    return {"rollout/replica_s": [float(s) for s in per_replica],
+    return {"rollout/generated_tokens": int(times["replica_tokens"].sum()),
+            "rollout/replica_s": [float(s) for s in per_replica],
             "rollout/replica_idle_s": float(np.sum(per_replica.max() - per_replica)),
             "timing/gather_s": times["gather_s"]}
 
