@@ -2,7 +2,8 @@
 jax.distributed: replica states per step, the atomic finished-count whose second increment
 publishes rollout-done, the watcher that stops a replica "training" while the other still
 decodes, key cleanup, and the host collectives (allgather, local copies of replicated
-arrays). Each process runs tests/replica_control_worker.py and prints what it saw."""
+arrays). Each process runs tests/replica_control_worker.py and prints what it saw. Also
+the process flags' checks and how a step's groups are split across replicas."""
 from __future__ import annotations
 
 import json
@@ -80,3 +81,19 @@ def test_modes():
   assert ProcessPlan(replicas=2).mode == "launch"
   assert ProcessPlan(cluster="auto").mode == "join"
   assert ProcessPlan(coordinator_address="h:1", num_processes=2, process_id=1).mode == "join"
+
+
+@pytest.mark.parametrize("groups, count", [(8, 2), (7, 3), (3, 3), (5, 4)])
+def test_replica_blocks_cover_the_groups_once(groups, count):
+  from tlt_jax.rl.replicas import Replicas
+  blocks = [Replicas(r, count).block(groups) for r in range(count)]
+  covered = [g for b in blocks for g in range(groups)[b]]
+  assert covered == list(range(groups))                  # whole groups, in order, once
+  sizes = [b.stop - b.start for b in blocks]
+  assert max(sizes) - min(sizes) <= 1 and max(sizes) == Replicas(0, count).max_block(groups)
+
+
+def test_replica_seeds():
+  from tlt_jax.rl.replicas import Replicas
+  assert Replicas(0, 1).seed(1234) == Replicas(0, 2).seed(1234) == 1234
+  assert len({Replicas(r, 4).seed(1234) for r in range(4)}) == 4
