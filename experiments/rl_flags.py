@@ -109,7 +109,7 @@ def check_run_dir(run_dir: str) -> None:
   """The run dir exists (made if missing) and takes files, before anything long starts."""
   try:
     os.makedirs(run_dir, exist_ok=True)
-    probe = os.path.join(run_dir, ".write_probe")
+    probe = os.path.join(run_dir, f".write_probe.{os.getpid()}")   # one per process
     with open(probe, "w") as f:
       f.write("ok")
     os.unlink(probe)
@@ -147,7 +147,8 @@ class Run:
     print("precompiling the rollout's and the update's programs ...", file=sys.stderr)
     start = time.perf_counter()
     learner = self.learner
-    count = precompile_rollouts(learner.rollout_params, learner.config, _PROMPTS.value,
+    count = precompile_rollouts(learner.rollout_params, learner.config,
+                                learner.replicas.max_block(_PROMPTS.value),
                                 _MAX_PROMPT_LEN.value, learner.rollout, learner.drafter)
     count += precompile_training(learner.state, learner.update)
     host.return_free_heap()
@@ -170,19 +171,43 @@ class Run:
                 tokenizer=self.model.tokenizer)
 
 
-def trainer_rules():
-  """The trainer mesh (fsdp x tp over this process's devices) and its sharding rules."""
+def trainer_rules(processes: int = 1):
+  """The trainer mesh over every device of the job and its sharding rules: fsdp x tp for
+  one process; with several (one rollout replica each), data parallel over all of them,
+  params whole on every device, so each process holds the new policy for its rollout."""
   import jax
 
   from tlt_jax.sharding.mesh import make_mesh
-  from tlt_jax.sharding.rules import MeshRules
+  from tlt_jax.sharding.rules import DATA_PARALLEL_RULES, MeshRules
 
   devices = jax.devices()
   fsdp = _FSDP.value or len(devices) // _TP.value
   if fsdp < 1 or fsdp * _TP.value > len(devices):
     raise UserInputError(f"--fsdp={_FSDP.value} x --tp={_TP.value}: more than the "
                          f"{len(devices)} devices")
-  return MeshRules(make_mesh(fsdp, _TP.value, devices[:fsdp * _TP.value]))
+  if processes == 1:
+    return MeshRules(make_mesh(fsdp, _TP.value, devices[:fsdp * _TP.value]))
+  if fsdp * _TP.value != len(devices):
+    raise UserInputError(f"--fsdp={_FSDP.value} x --tp={_TP.value}: with {processes} "
+                         f"processes the trainer spans all {len(devices)} devices")
+  return MeshRules(make_mesh(fsdp, _TP.value, devices), rules=DATA_PARALLEL_RULES)
+
+
+def replica_rules(processes: int, trainer):
+  """A rollout replica's mesh: the trainer's for one process, else this process's own
+  devices (process-local programs: replicas decode independently)."""
+  import jax
+
+  from tlt_jax.sharding.mesh import make_mesh
+  from tlt_jax.sharding.rules import MeshRules
+
+  if processes == 1:
+    return trainer
+  local = jax.local_devices()
+  if len(local) % _TP.value:
+    raise UserInputError(f"--tp={_TP.value}: does not divide this process's "
+                         f"{len(local)} devices")
+  return MeshRules(make_mesh(len(local) // _TP.value, _TP.value, local))
 
 
 def algorithm_configs():
@@ -202,8 +227,19 @@ def algorithm_configs():
                               top_k=_TOP_K.value))
 
 
-def build_run(total_steps: int) -> Run:
-  """Checks every flag, then loads the model, data, drafter and reward workers."""
+def check_replica_split(replicas, num_val: int) -> None:
+  """Every replica gets at least one prompt group of a step and of the validation set."""
+  if _PROMPTS.value < replicas.count:
+    raise UserInputError(f"--prompts_per_step={_PROMPTS.value}: fewer than the "
+                         f"{replicas.count} rollout replicas")
+  if 0 < num_val < replicas.count:
+    raise UserInputError(f"--num_val={num_val}: fewer held-out prompts than the "
+                         f"{replicas.count} rollout replicas")
+
+
+def build_run(total_steps: int, replicas=None) -> Run:
+  """Checks every flag, then loads the model, data, drafter and reward workers; `replicas`
+  (`rl.replicas.Replicas`, default one): this process's rollout replica of the job's."""
   import jax
   import jax.numpy as jnp
 
@@ -212,6 +248,7 @@ def build_run(total_steps: int) -> Run:
                                     tokenize_rl_data)
   from tlt_jax.models.loading import BUNDLED_SMOLLM2, load_model
   from tlt_jax.rl.learner import Learner, StepConfig
+  from tlt_jax.rl.replicas import Replicas
   from tlt_jax.rl.rewards import RewardPool, RewardSpec
   from tlt_jax.rl.rollout import RolloutSettings
   from tlt_jax.rl.update import UpdateConfig, UpdateContext, init_policy_state
@@ -220,6 +257,7 @@ def build_run(total_steps: int) -> Run:
 
   if total_steps < 1:
     raise UserInputError(f"--steps={total_steps}: must be >= 1")
+  replicas = replicas or Replicas()
   algo = algorithm_configs()
   reward_spec = RewardSpec(_REWARD.value, format_weight=_FORMAT_WEIGHT.value)
   if not _REWARD_TIMEOUT.value > 0:
@@ -261,15 +299,17 @@ def build_run(total_steps: int) -> Run:
   if _PROMPTS.value > counts["num_train"]:
     raise UserInputError(f"--prompts_per_step={_PROMPTS.value}: more than the "
                          f"{counts['num_train']} training prompts")
+  check_replica_split(replicas, counts["num_val"])
   stream = PromptStream(data.train, _PROMPTS.value, _SEED.value)
   drafter = sd_flags.drafter_from_flags(spec, model.config, dtype)
   eos_ids = tuple(sorted(set(model.config.eos_token_ids) | set(tokenizer.eos_token_ids)))
-  rules = trainer_rules()
-  # The rollout runs on the trainer's devices, laid out by the same rules.
+  rules = trainer_rules(replicas.count)
+  # One process: the rollout runs on the trainer's devices, laid out by the same rules.
   rollout = RolloutSettings(group_size=_GROUP.value, max_new_tokens=_MAX_NEW.value,
                             sampling=algo["sampling"], eos_ids=eos_ids, spec=spec,
                             attention_impl=_ATTENTION.value,
-                            min_row_tokens=_MAX_PROMPT_LEN.value + _MAX_NEW.value, rules=rules)
+                            min_row_tokens=_MAX_PROMPT_LEN.value + _MAX_NEW.value,
+                            rules=replica_rules(replicas.count, rules))
   context = UpdateContext(config=model.config, sampling=algo["sampling"], loss=algo["loss"],
                           update=update_config, optimizer=optimizer, learning_rate=schedule,
                           max_response_len=_MAX_NEW.value)
@@ -290,5 +330,5 @@ def build_run(total_steps: int) -> Run:
                                            max_rollout_batches=_MAX_BATCHES.value,
                                            seed=_SEED.value),
                     update=context, rewards=rewards, drafter=drafter,
-                    between_phases=host.return_free_heap)
+                    between_phases=host.return_free_heap, replicas=replicas)
   return Run(learner=learner, val_items=data.val, model=model, spec=spec, data_counts=counts)

@@ -6,6 +6,9 @@ Flags on the command line override the flagfile's; the run dir defaults to runs/
 (NAME: the flagfile's name). `--resume=auto` continues the run dir's latest checkpoint.
 The run dir receives metrics.jsonl, TensorBoard events, PNG plots, checkpoints/ and, at
 the end (or with --export_hf), a HF checkpoint of the policy.
+
+`--replicas=N` runs N processes, one rollout replica each (experiments/replica_flags.py;
+multi-host launch examples in experiments/launch/); process 0 alone writes the run dir.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import time
 
 from absl import flags
 
-from experiments import cli
+from experiments import cli, replica_flags
 from experiments.rl_flags import build_run, check_run_dir
 from tlt_jax.errors import UserInputError
 
@@ -33,14 +36,16 @@ _EXPORT_HF = flags.DEFINE_string("export_hf", None, "Where to write the final po
                                  "checkpoint (default: RUN_DIR/hf_export).")
 
 
-# Fault injection for the resume tests: "step:N" dies by SIGKILL once step N has run but
-# before anything of it is written; "save:N" dies while step N's checkpoint is being written.
+# Fault injection for the resume and replica tests: "step:N" dies by SIGKILL once step N
+# has run but before anything of it is written; "save:N" dies while step N's checkpoint is
+# being written; a suffix "@P" (e.g. "step:1@1") limits it to process P.
 FAULT_ENV = "TLT_JAX_KILL_AT"
 
 
-def maybe_die(point: str, step: int, settle=None) -> None:
+def maybe_die(point: str, step: int, settle=None, process: int = 0) -> None:
   """Dies at `point` of `step` if the fault env asks for it, after `settle()` (if given)."""
-  if os.environ.get(FAULT_ENV) == f"{point}:{step}":
+  fault = os.environ.get(FAULT_ENV, "")
+  if fault in (f"{point}:{step}", f"{point}:{step}@{process}"):
     if settle is not None:
       settle()
     os.kill(os.getpid(), signal.SIGKILL)
@@ -61,38 +66,73 @@ def default_run_dir(argv: list[str]) -> str:
 
 def main(argv):
   del argv
-  from tlt_jax.rl.checkpointing import RunCheckpoints
-  from tlt_jax.rl.metrics import MetricsLog, Progress, summary_table
-  from tlt_jax.rl.plots import write_plots
+  processes = replica_flags.start_processes()       # before anything imports jax
+  try:
+    train(processes)
+  except BaseException as e:
+    # Another error with several replicas is most often the echo of a dead one (a failed
+    # collective): let the watcher's line about it win. Errors of the run's own are shown.
+    own = (UserInputError, OSError, KeyboardInterrupt, SystemExit)
+    if processes.count > 1 and not isinstance(e, own):
+      processes.wait_for_failure(timeout_s=5.0)
+    processes.abandon()
+    raise
+  code = processes.finish()
+  if code:
+    sys.exit(code)
 
+
+def train(processes) -> None:
+  """The run, in every process; only process 0 (`processes.primary`) writes the run dir."""
+  from tlt_jax.rl.checkpointing import RunCheckpoints
+  from tlt_jax.rl.metrics import MetricsLog
+  from tlt_jax.rl.replicas import Replicas
+
+  primary = processes.primary
   run_dir = os.path.abspath(_RUN_DIR.value or default_run_dir(sys.argv))
-  checkpoints_dir = os.path.join(run_dir, "checkpoints")
   check_run_dir(run_dir)
   if _EXPORT_HF.value:
     cli.check_output_dir(_EXPORT_HF.value, "--export_hf")
-  checkpoints = RunCheckpoints(checkpoints_dir, keep=_KEEP.value)
+  checkpoints = RunCheckpoints(os.path.join(run_dir, "checkpoints"), keep=_KEEP.value)
   resume_step = checkpoints.latest_step() if _RESUME.value == "auto" else None
   if _RESUME.value == "never" and checkpoints.latest_step() is not None:
     raise UserInputError(f"--run_dir={run_dir}: has checkpoints (latest step "
                          f"{checkpoints.latest_step()}); pass --resume=auto to continue it or "
                          "choose another --run_dir")
-  if resume_step is not None and resume_step >= _STEPS.value:
+  if resume_step is not None and resume_step >= _STEPS.value and primary:
     print(f"{run_dir}: already at step {resume_step} of {_STEPS.value}", file=sys.stderr)
 
-  run = build_run(total_steps=_STEPS.value)           # every flag checked, model and data loaded
-  learner, val_items = run.learner, run.val_items
+  run = build_run(total_steps=_STEPS.value,          # every flag checked, model and data loaded
+                  replicas=Replicas(processes.index, processes.count))
   history: list = []
   if resume_step is not None:
-    state, meta = checkpoints.restore(resume_step, learner.state)
+    state, meta = checkpoints.restore(resume_step, run.learner.state)
     run.check_resumable(meta)
-    learner.restore(state, meta)
+    run.learner.restore(state, meta)
     history = meta["history"]
-    print(f"resumed {run_dir} at step {resume_step}", file=sys.stderr)
+    if primary:
+      print(f"resumed {run_dir} at step {resume_step}", file=sys.stderr)
   run.precompile()
-  log = MetricsLog(run_dir, history)
-  first = (resume_step or 0) + 1
-  print(f"training {run.describe()} for {_STEPS.value} steps -> {run_dir}", file=sys.stderr)
+  log = MetricsLog(run_dir, history) if primary else None
+  if primary:
+    replicas = f" on {processes.count} replicas" if processes.count > 1 else ""
+    print(f"training {run.describe()} for {_STEPS.value} steps{replicas} -> {run_dir}",
+          file=sys.stderr)
+  train_steps(run, checkpoints, log, (resume_step or 0) + 1, processes.index)
+  checkpoints.wait()
+  checkpoints.close()
+  if primary:
+    write_results(run, log, run_dir)
+
+
+def train_steps(run, checkpoints, log, first: int, process: int) -> None:
+  """Steps `first` .. --steps with their evaluations and checkpoints, in every process;
+  `log` (process 0's only; None elsewhere) receives each step's record."""
+  from tlt_jax.rl.metrics import Progress
+
+  learner, val_items = run.learner, run.val_items
   progress = Progress(_STEPS.value, first - 1)
+  write = log.write if log is not None else lambda record: None
 
   def eval_due(step: int) -> bool:
     return bool(val_items) and _EVAL_EVERY.value > 0 and (
@@ -102,31 +142,39 @@ def main(argv):
     start = time.perf_counter()
     record = {"step": 0, **learner.evaluate(val_items, 0),
               "timing/eval_s": time.perf_counter() - start}
-    log.write(record)
-    print(f"step 0: val accuracy {record['val/accuracy']:.3f} over {len(val_items)} prompts",
-          file=sys.stderr)
+    write(record)
+    if log is not None:
+      print(f"step 0: val accuracy {record['val/accuracy']:.3f} over {len(val_items)} "
+            "prompts", file=sys.stderr)
   for step in range(first, _STEPS.value + 1):
     record = learner.step(step)
     # A kill mid-training lands once the last checkpoint's async save has committed, so
     # the resume tests always exercise a restore (a save still in flight is the "save" point).
-    maybe_die("step", step, settle=checkpoints.wait)
+    maybe_die("step", step, settle=checkpoints.wait, process=process)
     if eval_due(step):
       start = time.perf_counter()
       record.update(learner.evaluate(val_items, step))
       record["timing/eval_s"] = time.perf_counter() - start
     if step % _CHECKPOINT_EVERY.value == 0 or step == _STEPS.value:
       start = time.perf_counter()
-      checkpoints.save(step, learner.state, run.checkpoint_meta(log.history + [record]))
-      maybe_die("save", step)
+      history = log.history if log is not None else []
+      checkpoints.save(step, learner.state, run.checkpoint_meta(history + [record]))
+      maybe_die("save", step, process=process)
       record["timing/checkpoint_s"] = time.perf_counter() - start
-    log.write(record)
-    progress.update(step, record)
-  checkpoints.wait()
-  checkpoints.close()
+    write(record)
+    if log is not None:
+      progress.update(step, record)
+
+
+def write_results(run, log, run_dir: str) -> None:
+  """Process 0, once the last step is saved: plots, the HF export and the summary."""
+  from tlt_jax.rl.metrics import summary_table
+  from tlt_jax.rl.plots import write_plots
+
   log.close()
   write_plots(run_dir, log.history)
   export_dir = os.path.abspath(_EXPORT_HF.value or os.path.join(run_dir, "hf_export"))
-  run.export_hf(learner.state.params, export_dir)
+  run.export_hf(run.learner.state.params, export_dir)
   print(f"\n{summary_table(log.history)}\n\nrun dir: {run_dir}\nHF export: {export_dir}",
         file=sys.stderr)
 

@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
+from tlt_jax.distributed.collectives import local_copy
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.tokenizer import Tokenizer
 from tlt_jax.models.transformer import Params
@@ -22,8 +23,9 @@ from tlt_jax.rl import advantages as adv
 from tlt_jax.rl.batching import Sequences
 from tlt_jax.rl.config import AdvantageConfig, OverlongConfig
 from tlt_jax.rl.rewards import RewardItem, RewardPool, require_some_scored
-from tlt_jax.rl.rollout import (GroupRollouts, RolloutSettings, concat_rollouts,
-                                lay_out_for_rollout, sample_groups)
+from tlt_jax.rl.replicas import Replicas, gather_scored
+from tlt_jax.rl.rollout import GroupRollouts, RolloutSettings, lay_out_for_rollout, sample_groups
+from tlt_jax.rl.scored import ScoredGroups, merge_scored, select
 from tlt_jax.rl.update import (PolicyState, UpdateContext, compiled_programs, score_sequences,
                                update_policy)
 from tlt_jax.rollout import engine
@@ -42,17 +44,6 @@ class StepConfig:
   dynamic_sampling: bool = False
   max_rollout_batches: int = 4       # DAPO: generation batches drawn per step at most
   seed: int = 0
-
-
-@dataclasses.dataclass
-class ScoredGroups:
-  rollouts: GroupRollouts
-  rewards: np.ndarray        # [P, G] what the advantages see (shaping included)
-  accuracy: np.ndarray       # [P, G] task correctness alone
-  items: list                # the prompts' data items, one per group
-  timeouts: int = 0
-  errors: int = 0
-  first_error: str | None = None
 
 
 def peak_rss_gib() -> float:
@@ -75,12 +66,14 @@ class Learner:
                ref_params: Params | None, stream, rollout: RolloutSettings,
                step_config: StepConfig, update: UpdateContext, rewards: RewardPool,
                drafter: DraftWeights | None = None,
-               between_phases: Callable[[], None] = _nothing):
+               between_phases: Callable[[], None] = _nothing,
+               replicas: Replicas = Replicas()):
     self.config, self.tokenizer = config, tokenizer
     self.state, self.ref_params, self.stream = state, ref_params, stream
     self.rollout, self.step_config, self.update = rollout, step_config, update
     self.rewards = rewards
     self.between_phases = between_phases
+    self.replicas = replicas
     # The learned drafter's weights (a rollout argument) and what SD learns across steps.
     self.drafter = drafter
     self.spec_memory = None if rollout.spec is None else SpecMemory(rollout.spec)
@@ -158,16 +151,14 @@ class Learner:
     rollout_s = reward_s = 0.0
     while not fill.done:
       items = self.stream.next_batch()
-      t = time.perf_counter()
-      rollouts = sample_groups(self.rollout_params, self.config, [i.prompt_ids for i in items],
-                               self.rollout, seed=self.step_seed(step, f"rollout{len(draws)}"),
-                               drafter=self.drafter, memory=self.spec_memory)
-      rollout_s += time.perf_counter() - t
+      scored, times = self.sample_and_score(items, self.rollout,
+                                            self.step_seed(step, f"rollout{len(draws)}"))
+      rollout_s += times["rollout_s"]
+      reward_s += times["reward_s"]
       if not draws:
-        record.update(rollout_stats(rollouts.stats))
-      t = time.perf_counter()
-      draws.append(self.score(rollouts, items))
-      reward_s += time.perf_counter() - t
+        record.update(rollout_stats(scored.rollouts.stats))
+        record.update(self.replica_metrics(times))
+      draws.append(scored)
       informative = adv.informative_groups(draws[-1].rewards)
       fill = fill.add_draw(informative if cfg.dynamic_sampling else np.ones_like(informative))
     picked = fill.selection(pad=True)
@@ -182,6 +173,43 @@ class Learner:
       print(f"warning: step {step}: a reward function failed: {first_error}", file=sys.stderr)
     return merge_scored([select(draws[d], [g], self.rollout.group_size)
                          for d, g in picked.groups])
+
+  def sample_and_score(self, items: list, settings: RolloutSettings, seed: int
+                       ) -> tuple[ScoredGroups, dict[str, Any]]:
+    """This replica's block of `items` sampled and scored, then every replica's block
+    gathered (`replicas.gather_scored`): all of `items`, scored, on every process. Also
+    returns this replica's rollout and reward seconds, the gather's wait, and each
+    replica's rollout seconds."""
+    mine = items[self.replicas.block(len(items))]
+    t = time.perf_counter()
+    rollouts = sample_groups(self.rollout_params, self.config, [i.prompt_ids for i in mine],
+                             settings, seed=self.replicas.seed(seed), drafter=self.drafter,
+                             memory=self.spec_memory)
+    rollout_s = time.perf_counter() - t
+    t = time.perf_counter()
+    local = self.score(rollouts, mine, group_size=settings.group_size)
+    reward_s = time.perf_counter() - t
+    t = time.perf_counter()
+    scored, per_replica = gather_scored(
+        local, items, self.replicas, settings.group_size, settings.max_new_tokens,
+        {"rollout_s": rollout_s, "tokens": rollouts.stats["generated_tokens"]})
+    return scored, {"rollout_s": rollout_s, "reward_s": reward_s,
+                    "gather_s": time.perf_counter() - t,
+                    "replica_rollout_s": per_replica["rollout_s"],
+                    "replica_tokens": per_replica["tokens"]}
+
+  def replica_metrics(self, times: dict[str, Any]) -> dict[str, Any]:
+    """With several replicas: the tokens all generated, each one's rollout seconds, the
+    gather's wait here, and the replica-seconds spent waiting for the slowest (what the
+    long tail leaves idle). The engine's other stats (tail, live rows, SD) stay this
+    replica's own."""
+    if self.replicas.count == 1:
+      return {}
+    per_replica = times["replica_rollout_s"]
+    return {"rollout/generated_tokens": int(times["replica_tokens"].sum()),
+            "rollout/replica_s": [float(s) for s in per_replica],
+            "rollout/replica_idle_s": float(np.sum(per_replica.max() - per_replica)),
+            "timing/gather_s": times["gather_s"]}
 
   def score(self, rollouts: GroupRollouts, items: Sequence,
             group_size: int | None = None) -> ScoredGroups:
@@ -211,17 +239,15 @@ class Learner:
     return np.ones(len(batch.responses), bool)
 
   def sync_weights(self, params: Params) -> Params:
-    """New policy -> the rollout engine, with no recompilation (`lay_out_for_rollout`)."""
-    return lay_out_for_rollout(params, self.config, self.rollout)
+    """New policy -> the rollout engine, with no recompilation (`lay_out_for_rollout`);
+    with several replicas each takes its own copy of the replicated policy."""
+    return lay_out_for_rollout(local_copy(params), self.config, self.rollout)
 
   def evaluate(self, val_items: Sequence, step: int) -> dict[str, float]:
     """Greedy answers to the held-out prompts: `val/reward`, `val/accuracy`, and both per
     data source (`val/accuracy/<source>`)."""
     settings = dataclasses.replace(self.rollout, group_size=1, sampling=SamplingParams(0.0))
-    rollouts = sample_groups(self.rollout_params, self.config,
-                             [i.prompt_ids for i in val_items], settings, seed=step,
-                             drafter=self.drafter, memory=self.spec_memory)
-    scored = self.score(rollouts, val_items, group_size=1)
+    scored, _ = self.sample_and_score(list(val_items), settings, seed=step)
     metrics = {"val/reward": float(scored.rewards.mean()),
                "val/accuracy": float(scored.accuracy.mean()),
                "val/prompts": len(val_items)}
@@ -264,18 +290,3 @@ def rollout_stats(stats: dict) -> dict[str, Any]:
     if key in stats:
       out[key] = stats[key]
   return out
-
-
-def select(scored: ScoredGroups, groups: Sequence[int], group_size: int) -> ScoredGroups:
-  """The given groups of a scored draw (fault counts stay with the draw)."""
-  groups = [int(g) for g in groups]
-  return ScoredGroups(rollouts=scored.rollouts.select_groups(groups, group_size),
-                      rewards=scored.rewards[groups], accuracy=scored.accuracy[groups],
-                      items=[scored.items[g] for g in groups])
-
-
-def merge_scored(parts: Sequence[ScoredGroups]) -> ScoredGroups:
-  return ScoredGroups(rollouts=concat_rollouts([p.rollouts for p in parts]),
-                      rewards=np.concatenate([p.rewards for p in parts]),
-                      accuracy=np.concatenate([p.accuracy for p in parts]),
-                      items=[i for p in parts for i in p.items])

@@ -20,6 +20,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from tlt_jax.compiles import CompileCounter
+from tlt_jax.distributed.collectives import to_host
 from tlt_jax.errors import UserInputError
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.transformer import Params
@@ -189,7 +190,7 @@ def score_sequences(params: Params, sequences: Sequences, ctx: UpdateContext
   values = [score_rows(params, rows, config=ctx.config, sampling=ctx.sampling,
                        rules=ctx.rules)
             for rows in micro_batches(layout, sequences, ctx.update.micro_batch_rows, {}, {})]
-  return gather_response_values(layout, sequences, jax.device_get(values))
+  return gather_response_values(layout, sequences, to_host(values))
 
 
 def logprob_gap(trainer_logp: Sequence[np.ndarray], rollout_logp: Sequence[np.ndarray],

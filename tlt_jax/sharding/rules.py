@@ -24,6 +24,12 @@ FSDP_TP_RULES: tuple[tuple[str, str], ...] = (
     ("act_vocab", "tp"),
 )
 
+# Data parallel over the fsdp axis: the batch is split, every param and optimizer buffer
+# is whole on every device. For a trainer mesh spanning several processes (one rollout
+# replica each), so that each process holds the whole new policy for its next rollout.
+DATA_PARALLEL_RULES: tuple[tuple[str, str], ...] = tuple(
+    rule for rule in FSDP_TP_RULES if rule != ("embed", "fsdp"))
+
 
 @dataclasses.dataclass(frozen=True)
 class MeshRules:

@@ -1,0 +1,63 @@
+"""Host-side collectives over every process of the job, and each process's own copy of a
+replicated array.
+
+The RL step moves rollouts between replicas as fixed-shape arrays through a collective
+(`allgather`: every process gets every process's rows), never through the key-value store.
+Arrays laid out on a mesh of several processes are read on the host through a gather
+(`to_host`), or used by a process through its own shard (`local_copy`), which for a
+replicated array is the whole value, on one of its devices.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+
+def process_count() -> int:
+  return jax.process_count()
+
+
+def allgather(tree: Any) -> Any:
+  """Every process's `tree` of same-shaped host arrays, stacked on a new leading axis
+  [process_count, ...] in process order, on every process. The leaves travel as one byte
+  buffer: one collective, whatever the tree's size (each collective costs a round trip)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  leaves = [np.asarray(x).copy(order="C") for x in leaves]
+  if jax.process_count() == 1:
+    return jax.tree.unflatten(treedef, [x[None] for x in leaves])
+  buffer = np.concatenate([x.reshape(-1).view(np.uint8) for x in leaves]) if leaves else (
+      np.zeros(0, np.uint8))
+  gathered = multihost_utils.process_allgather(buffer, tiled=False)
+  out, offset = [], 0
+  for x in leaves:
+    chunk = gathered[:, offset:offset + x.nbytes]
+    out.append(chunk.copy(order="C").view(x.dtype).reshape((len(gathered), *x.shape)))
+    offset += x.nbytes
+  return jax.tree.unflatten(treedef, out)
+
+
+def to_host(tree: Any) -> Any:
+  """`jax.device_get`, for arrays split across processes too: those are gathered first
+  (a collective: every process must call it)."""
+  def one(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return multihost_utils.process_allgather(x, tiled=True)
+    return jax.device_get(x)
+  return jax.tree.map(one, tree)
+
+
+def local_copy(tree: Any) -> Any:
+  """Each leaf as this process can use it alone: unchanged when all its shards are local,
+  else its first local shard (for a replicated array, the whole value). A leaf split
+  across processes raises: it has no whole local copy."""
+  def one(x):
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+      return x
+    if not x.is_fully_replicated:
+      raise ValueError(f"an array of shape {x.shape} is split across processes "
+                       f"({x.sharding}); it has no local copy")
+    return x.addressable_data(0)
+  return jax.tree.map(one, tree)
