@@ -11,7 +11,7 @@ from typing import Any
 
 from absl import flags
 
-from experiments import sd_flags
+from experiments import drafter_flags, sd_flags
 from tlt_jax.errors import UserInputError
 from tlt_jax.runtime import host
 
@@ -237,6 +237,31 @@ def check_replica_split(replicas, num_val: int) -> None:
                          f"{replicas.count} rollout replicas")
 
 
+def spot_from_flags(spec, algo: dict, replicas):
+  """The online drafter's config from its flags (`drafter_flags`), or None; it trains on the
+  replicas the tail leaves idle, so it needs two or more."""
+  spot = drafter_flags.spot_from_flags(learned=spec is not None and spec.learned,
+                                       greedy=algo["sampling"].temperature == 0,
+                                       seed=_SEED.value)
+  if spot is not None and replicas.count < 2:
+    raise UserInputError(f"--drafter_train={spot.train} needs --replicas >= 2: the drafter "
+                         "trains on the replicas whose rollout is done while others decode")
+  return spot
+
+
+def idle_drafter(spot, model_config, drafter, replicas):
+  """The learner's online drafter (`rl.idle_drafter.IdleDrafter`), or None without one."""
+  if spot is None:
+    return None
+  from tlt_jax.distributed.control import ReplicaControl
+  from tlt_jax.distributed.kv_store import KeyValueStore
+  from tlt_jax.rl.idle_drafter import AllProcesses, IdleDrafter
+  from tlt_jax.rl.spot_trainer import SpotTrainer
+
+  trainer = SpotTrainer(spot, model_config, drafter, AllProcesses())
+  return IdleDrafter(trainer, ReplicaControl(KeyValueStore(), replicas.count, replicas.index))
+
+
 def build_run(total_steps: int, replicas=None) -> Run:
   """Checks every flag, then loads the model, data, drafter and reward workers; `replicas`
   (`rl.replicas.Replicas`, default one): this process's rollout replica of the job's."""
@@ -270,6 +295,7 @@ def build_run(total_steps: int, replicas=None) -> Run:
     if flag.value is not None and not os.path.isfile(flag.value):
       raise UserInputError(f"--{flag.name}={flag.value}: no such file")
   spec = sd_flags.spec_from_flags(_SEED.value)
+  spot = spot_from_flags(spec, algo, replicas)
   seq_len = _TRAIN_SEQ_LEN.value or round_up(_MAX_PROMPT_LEN.value + _MAX_NEW.value, 64)
   if seq_len < _MAX_PROMPT_LEN.value + _MAX_NEW.value:
     raise UserInputError(f"--train_seq_len={seq_len}: shorter than --max_prompt_len + "
@@ -309,7 +335,8 @@ def build_run(total_steps: int, replicas=None) -> Run:
                             sampling=algo["sampling"], eos_ids=eos_ids, spec=spec,
                             attention_impl=_ATTENTION.value,
                             min_row_tokens=_MAX_PROMPT_LEN.value + _MAX_NEW.value,
-                            rules=replica_rules(replicas.count, rules))
+                            rules=replica_rules(replicas.count, rules),
+                            capture_hidden=spot is not None)
   context = UpdateContext(config=model.config, sampling=algo["sampling"], loss=algo["loss"],
                           update=update_config, optimizer=optimizer, learning_rate=schedule,
                           max_response_len=_MAX_NEW.value)
@@ -330,5 +357,6 @@ def build_run(total_steps: int, replicas=None) -> Run:
                                            max_rollout_batches=_MAX_BATCHES.value,
                                            seed=_SEED.value),
                     update=context, rewards=rewards, drafter=drafter,
-                    between_phases=host.return_free_heap, replicas=replicas)
+                    between_phases=host.return_free_heap, replicas=replicas,
+                    idle_drafter=idle_drafter(spot, model.config, drafter, replicas))
   return Run(learner=learner, val_items=data.val, model=model, spec=spec, data_counts=counts)

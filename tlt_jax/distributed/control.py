@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import time
 
 import jax
 
@@ -78,6 +79,7 @@ class RolloutDoneWatch:
 
   def __init__(self, store: KeyValueStore, step: int, slice_s: float = 1.0):
     self.event = threading.Event()
+    self.done_at: float | None = None   # time.perf_counter() when the event was set
     self.error: Exception | None = None
     self._stop = threading.Event()
     self._key, self._store, self._slice_s = step_key(step, "rollout_done"), store, slice_s
@@ -93,6 +95,7 @@ class RolloutDoneWatch:
           continue
         self.error = e
         return
+      self.done_at = time.perf_counter()
       self.event.set()
       return
 

@@ -23,6 +23,7 @@ from tlt_jax.rl import advantages as adv
 from tlt_jax.rl.batching import Sequences
 from tlt_jax.rl.config import AdvantageConfig, OverlongConfig
 from tlt_jax.rl.rewards import RewardItem, RewardPool, require_some_scored
+from tlt_jax.rl.idle_drafter import IdleDrafter
 from tlt_jax.rl.replicas import Replicas, gather_scored
 from tlt_jax.rl.rollout import GroupRollouts, RolloutSettings, lay_out_for_rollout, sample_groups
 from tlt_jax.rl.scored import ScoredGroups, merge_scored, select
@@ -67,15 +68,17 @@ class Learner:
                step_config: StepConfig, update: UpdateContext, rewards: RewardPool,
                drafter: DraftWeights | None = None,
                between_phases: Callable[[], None] = _nothing,
-               replicas: Replicas = Replicas()):
+               replicas: Replicas = Replicas(), idle_drafter: IdleDrafter | None = None):
     self.config, self.tokenizer = config, tokenizer
     self.state, self.ref_params, self.stream = state, ref_params, stream
     self.rollout, self.step_config, self.update = rollout, step_config, update
     self.rewards = rewards
     self.between_phases = between_phases
     self.replicas = replicas
-    # The learned drafter's weights (a rollout argument) and what SD learns across steps.
+    # The learned drafter's weights (a rollout argument) and what SD learns across steps;
+    # with an online drafter, the drafter trained on idle replicas that replaces it.
     self.drafter = drafter
+    self.idle_drafter = idle_drafter
     self.spec_memory = None if rollout.spec is None else SpecMemory(rollout.spec)
     self.rollout_params = self.sync_weights(state.params)
 
@@ -102,6 +105,10 @@ class Learner:
     programs_before = engine.compiled_programs() + compiled_programs()
 
     scored = self.collect_groups(step, record)                     # rollout + rewards
+    if self.idle_drafter is not None:                              # drafter sync + gate
+      self.drafter, drafter_metrics = self.idle_drafter.at_step_end(
+          step, self.rollout_params, record.get("spec/accept_len"))
+      record.update(drafter_metrics)
     self.rollout_params = None    # the sync below lays the updated params out afresh
     group_size = self.rollout.group_size
     advantages = adv.group_advantages(scored.rewards, self.step_config.advantage)
@@ -152,9 +159,11 @@ class Learner:
     while not fill.done:
       items = self.stream.next_batch()
       scored, times = self.sample_and_score(items, self.rollout,
-                                            self.step_seed(step, f"rollout{len(draws)}"))
+                                            self.step_seed(step, f"rollout{len(draws)}"),
+                                            idle_round=(step, len(draws)))
       rollout_s += times["rollout_s"]
       reward_s += times["reward_s"]
+      add_drafter_metrics(record, times["drafter"])
       if not draws:
         record.update(rollout_stats(scored.rollouts.stats))
         record.update(self.replica_metrics(times))
@@ -174,12 +183,14 @@ class Learner:
     return merge_scored([select(draws[d], [g], self.rollout.group_size)
                          for d, g in picked.groups])
 
-  def sample_and_score(self, items: list, settings: RolloutSettings, seed: int
+  def sample_and_score(self, items: list, settings: RolloutSettings, seed: int,
+                       idle_round: tuple[int, int] | None = None
                        ) -> tuple[ScoredGroups, dict[str, Any]]:
     """This replica's block of `items` sampled and scored, then every replica's block
     gathered (`replicas.gather_scored`): all of `items`, scored, on every process. Also
-    returns this replica's rollout and reward seconds, the gather's wait, and each
-    replica's rollout seconds."""
+    returns this replica's rollout and reward seconds, the gather's wait, each replica's
+    rollout seconds, and the online drafter's metrics: with one, a replica done before the
+    others trains it until they are (`idle_round`: the step and its draw)."""
     mine = items[self.replicas.block(len(items))]
     t = time.perf_counter()
     rollouts = sample_groups(self.rollout_params, self.config, [i.prompt_ids for i in mine],
@@ -189,6 +200,9 @@ class Learner:
     t = time.perf_counter()
     local = self.score(rollouts, mine, group_size=settings.group_size)
     reward_s = time.perf_counter() - t
+    drafter_metrics = {}
+    if self.idle_drafter is not None and idle_round is not None:
+      drafter_metrics = self.idle_drafter.while_idle(*idle_round, rollouts, self.rollout_params)
     t = time.perf_counter()
     scored, per_replica = gather_scored(
         local, items, self.replicas, settings.group_size, settings.max_new_tokens,
@@ -196,7 +210,7 @@ class Learner:
     return scored, {"rollout_s": rollout_s, "reward_s": reward_s,
                     "gather_s": time.perf_counter() - t,
                     "replica_rollout_s": per_replica["rollout_s"],
-                    "replica_tokens": per_replica["tokens"]}
+                    "replica_tokens": per_replica["tokens"], "drafter": drafter_metrics}
 
   def replica_metrics(self, times: dict[str, Any]) -> dict[str, Any]:
     """With several replicas: the tokens all generated, each one's rollout seconds, the
@@ -246,7 +260,8 @@ class Learner:
   def evaluate(self, val_items: Sequence, step: int) -> dict[str, float]:
     """Greedy answers to the held-out prompts: `val/reward`, `val/accuracy`, and both per
     data source (`val/accuracy/<source>`)."""
-    settings = dataclasses.replace(self.rollout, group_size=1, sampling=SamplingParams(0.0))
+    settings = dataclasses.replace(self.rollout, group_size=1, sampling=SamplingParams(0.0),
+                                   capture_hidden=False)
     scored, _ = self.sample_and_score(list(val_items), settings, seed=step)
     metrics = {"val/reward": float(scored.rewards.mean()),
                "val/accuracy": float(scored.accuracy.mean()),
@@ -277,6 +292,14 @@ class Learner:
         "response_len/mean": float(lengths.mean()), "response_len/max": int(lengths.max()),
         "response_len/clip_frac": float(scored.rollouts.truncated.mean()),
     }
+
+
+def add_drafter_metrics(record: dict[str, Any], metrics: dict[str, Any]) -> None:
+  """One draw's online drafter metrics into the step's record: counts and seconds add up
+  over a step's draws, the rest is the last draw's."""
+  for key, value in metrics.items():
+    summed = key.endswith(("_steps", "_s_used", "_s_available"))
+    record[key] = record.get(key, 0) + value if summed else value
 
 
 def rollout_stats(stats: dict) -> dict[str, Any]:

@@ -1,0 +1,93 @@
+"""The online drafter inside an RL step: the spot trainer (`spot_trainer.py`) driven by the
+replicas' control plane (`distributed/control.py`).
+
+`while_idle` runs on every replica right after its own rollout (and rewards): the
+responses and their hidden states go into the replica's buffer; the replica counts itself
+finished (BUSY -> IDLE); unless it was the last, it trains the drafter (TRAINING) until the
+last replica's increment publishes rollout-done, which a watcher thread turns into the
+event the trainer reads between drafter steps. `at_step_end` runs on every replica after
+the rollouts are gathered: the replicas' drafters are averaged and the deploy gate decides
+whether the rollout's drafter changes. Each rollout round (a step, or a step's extra
+DAPO draw) has its own control keys.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from tlt_jax.distributed import collectives
+from tlt_jax.distributed.control import ReplicaControl, ReplicaState
+from tlt_jax.models.transformer import Params
+from tlt_jax.rl.rollout import GroupRollouts
+from tlt_jax.rl.spot_trainer import SpotTrainer
+from tlt_jax.rollout.weights import DraftWeights
+
+ROUNDS_PER_STEP = 1000   # control-plane round ids: step * ROUNDS_PER_STEP + draw
+
+
+class AllProcesses:
+  """`spot_trainer.Collective` over every process of the job."""
+
+  def allgather(self, arrays: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+    stacked = collectives.allgather(arrays)
+    return [{k: v[i] for k, v in stacked.items()} for i in range(collectives.process_count())]
+
+
+class IdleDrafter:
+  """One replica's online drafter and its place in the control plane."""
+
+  def __init__(self, spot: SpotTrainer, control: ReplicaControl):
+    self.spot, self.control = spot, control
+    self.steps_trained = 0
+    self.rounds: list[int] = []            # control-plane rounds of the step in flight
+    self.accept_len: float | None = None   # the deployed drafter's, last step
+
+  def while_idle(self, step: int, draw: int, rollouts: GroupRollouts,
+                 target_params: Params) -> dict[str, Any]:
+    """Buffer this replica's rollout, then train until every replica's rollout is done."""
+    round_id = step * ROUNDS_PER_STEP + draw
+    self.rounds.append(round_id)
+    finished = time.perf_counter()
+    self.spot.observe(step, zip(rollouts.prompts, rollouts.responses, rollouts.hidden_states))
+    self.control.set_state(round_id, ReplicaState.IDLE)
+    if self.control.finish_rollout(round_id) == self.control.num_replicas:
+      return {"drafter/idle_device_s_available": 0.0, "drafter/idle_device_s_used": 0.0}
+    watch = self.control.watch_rollout_done(round_id)
+    try:
+      if not self.spot.wants_training(self.accept_len):
+        watch.event.wait()
+        return {"drafter/idle_device_s_available": time.perf_counter() - finished,
+                "drafter/idle_device_s_used": 0.0}
+      self.control.set_state(round_id, ReplicaState.TRAINING)
+      report = self.spot.train_while_idle(step, target_params, watch.event.is_set)
+      if report.stop_seen is None:       # ran out of steps or data before the end
+        watch.event.wait()
+    finally:
+      watch.stop()
+    if watch.error is not None:
+      raise RuntimeError(f"replica control plane failed: {watch.error}")
+    done_at = watch.done_at
+    self.steps_trained += report.steps - report.discarded
+    return {"drafter/train_steps": report.steps, "drafter/discarded_steps": report.discarded,
+            "drafter/loss": report.mean_loss,
+            "drafter/idle_device_s_available": done_at - finished,
+            "drafter/idle_device_s_used": float(sum(e - s for s, e in report.spans)),
+            "drafter/preempt_latency_s": max(0.0, time.perf_counter() - done_at),
+            "drafter/train_spans": [(s - finished, e - finished) for s, e in report.spans]}
+
+  def at_step_end(self, step: int, target_params: Params, accept_len: float | None
+                  ) -> tuple[DraftWeights, dict[str, Any]]:
+    """Sync every replica's drafter, gate it; (the drafter the next rollout uses, metrics).
+    accept_len: the step's measured accept length (the same on every replica)."""
+    self.accept_len = accept_len
+    metrics: dict[str, Any] = {"drafter/buffer_bytes": self.spot.buffer.stats()["bytes"]}
+    if self.spot.sync(self.steps_trained):   # a collective: every replica is past its rounds
+      metrics.update(self.spot.gate(target_params))
+    for round_id in self.rounds:
+      self.control.clear(round_id)
+    self.steps_trained, self.rounds = 0, []
+    metrics["drafter/candidate_steps"] = int(jax.device_get(self.spot.state.step))
+    return self.spot.deployed, metrics
