@@ -259,7 +259,24 @@ def idle_drafter(spot, model_config, drafter, replicas):
   from tlt_jax.rl.spot_trainer import SpotTrainer
 
   trainer = SpotTrainer(spot, model_config, drafter, AllProcesses())
-  return IdleDrafter(trainer, ReplicaControl(KeyValueStore(), replicas.count, replicas.index))
+  control = ReplicaControl(KeyValueStore(), replicas.count, replicas.index)
+  return IdleDrafter(trainer, control, extra_tail_s=straggler_seconds(replicas.index))
+
+
+STRAGGLER_ENV = "TLT_JAX_STRAGGLER"   # "REPLICA:SECONDS": that replica's tail runs longer
+
+
+def straggler_seconds(replica: int) -> float:
+  """Seconds replica `replica` stays busy after its rollout under STRAGGLER_ENV (tests and
+  demos of the spot trainer on a workload too small to have a tail of its own)."""
+  value = os.environ.get(STRAGGLER_ENV, "")
+  if not value:
+    return 0.0
+  index, _, seconds = value.partition(":")
+  try:
+    return float(seconds) if int(index) == replica else 0.0
+  except ValueError:
+    raise UserInputError(f"{STRAGGLER_ENV}={value!r}: expected REPLICA:SECONDS") from None
 
 
 def build_run(total_steps: int, replicas=None) -> Run:

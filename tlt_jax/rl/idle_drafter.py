@@ -13,6 +13,7 @@ DAPO draw) has its own control keys.
 from __future__ import annotations
 
 import time
+import zlib
 from typing import Any
 
 import jax
@@ -39,8 +40,10 @@ class AllProcesses:
 class IdleDrafter:
   """One replica's online drafter and its place in the control plane."""
 
-  def __init__(self, spot: SpotTrainer, control: ReplicaControl):
-    self.spot, self.control = spot, control
+  def __init__(self, spot: SpotTrainer, control: ReplicaControl, extra_tail_s: float = 0.0):
+    # extra_tail_s: seconds this replica keeps busy after its rollout, as if its tail were
+    # longer (tests and demos make one replica the straggler with it).
+    self.spot, self.control, self.extra_tail_s = spot, control, extra_tail_s
     self.steps_trained = 0
     self.rounds: list[int] = []            # control-plane rounds of the step in flight
     self.accept_len: float | None = None   # the deployed drafter's, last step
@@ -50,6 +53,7 @@ class IdleDrafter:
     """Buffer this replica's rollout, then train until every replica's rollout is done."""
     round_id = step * ROUNDS_PER_STEP + draw
     self.rounds.append(round_id)
+    time.sleep(self.extra_tail_s)
     finished = time.perf_counter()
     self.spot.observe(step, zip(rollouts.prompts, rollouts.responses, rollouts.hidden_states))
     self.control.set_state(round_id, ReplicaState.IDLE)
@@ -86,8 +90,17 @@ class IdleDrafter:
     metrics: dict[str, Any] = {"drafter/buffer_bytes": self.spot.buffer.stats()["bytes"]}
     if self.spot.sync(self.steps_trained):   # a collective: every replica is past its rounds
       metrics.update(self.spot.gate(target_params))
+    metrics["drafter/replicas_identical"] = self.replicas_identical()
     for round_id in self.rounds:
       self.control.clear(round_id)
     self.steps_trained, self.rounds = 0, []
     metrics["drafter/candidate_steps"] = int(jax.device_get(self.spot.state.step))
     return self.spot.deployed, metrics
+
+  def replicas_identical(self) -> int:
+    """1 when every replica holds the same bits of the candidate and deployed drafters (a
+    checksum of each, gathered), else 0."""
+    leaves = jax.tree.leaves(jax.device_get((self.spot.state, self.spot.deployed.params)))
+    digest = zlib.crc32(b"".join(np.ascontiguousarray(x).tobytes() for x in leaves))
+    sums = self.spot.collective.allgather({"crc": np.asarray(digest, np.int64)})
+    return int(len({int(c["crc"]) for c in sums}) == 1)
