@@ -38,6 +38,9 @@ class RolloutSettings:
   min_row_tokens: int = 0
   # The rollout replica's mesh and sharding rules (`weights.place_rollout`); None: one device.
   rules: MeshRules | None = None
+  # Hand back the target's hidden states of every rollout (`GroupRollouts.hidden_states`),
+  # as drafter training data; off, the rollout keeps none of them past its SD switch.
+  capture_hidden: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +52,10 @@ class GroupRollouts:
   truncated: np.ndarray              # [P * G] bool: ran to the length cap
   prompt_index: np.ndarray           # [P * G] which of the P prompts
   stats: dict
+  # With `RolloutSettings.capture_hidden`: per row, the target's hidden states of prompt +
+  # response but its last token, [prompt_len + response_len - 1, E]
+  # (`engine.GenerationOutput.hidden_states`); else None.
+  hidden_states: list[np.ndarray] | None = None
 
   @property
   def response_lengths(self) -> np.ndarray:
@@ -60,7 +67,9 @@ class GroupRollouts:
                          responses=[self.responses[r] for r in rows],
                          logprobs=[self.logprobs[r] for r in rows],
                          truncated=self.truncated[rows], prompt_index=self.prompt_index[rows],
-                         stats=self.stats)
+                         stats=self.stats,
+                         hidden_states=None if self.hidden_states is None else [
+                             self.hidden_states[r] for r in rows])
 
 
 def concat_rollouts(parts: Sequence[GroupRollouts]) -> GroupRollouts:
@@ -71,7 +80,9 @@ def concat_rollouts(parts: Sequence[GroupRollouts]) -> GroupRollouts:
       logprobs=[lp for part in parts for lp in part.logprobs],
       truncated=np.concatenate([part.truncated for part in parts]),
       prompt_index=np.concatenate([part.prompt_index for part in parts]),
-      stats=parts[0].stats)
+      stats=parts[0].stats,
+      hidden_states=None if parts[0].hidden_states is None else [
+          h for part in parts for h in part.hidden_states])
 
 
 def lay_out_for_rollout(params: Params, config: ModelConfig, settings: RolloutSettings
@@ -93,14 +104,17 @@ def sample_groups(params: Params, config: ModelConfig, prompts: Sequence[Sequenc
                     buckets=settings.buckets, chunk_steps=settings.chunk_steps,
                     spec=settings.spec, drafter=drafter, memory=memory,
                     attention_impl=settings.attention_impl,
-                    min_row_tokens=settings.min_row_tokens, rules=settings.rules)
+                    min_row_tokens=settings.min_row_tokens, rules=settings.rules,
+                    capture_hidden=settings.capture_hidden)
   return GroupRollouts(
       prompts=rows,
       responses=[o.token_ids for o in result.outputs],
       logprobs=[np.asarray(o.logprobs, np.float32) for o in result.outputs],
       truncated=np.array([o.finish_reason == "length" for o in result.outputs]),
       prompt_index=np.repeat(np.arange(len(prompts)), settings.group_size),
-      stats=result.stats)
+      stats=result.stats,
+      hidden_states=([o.hidden_states for o in result.outputs] if settings.capture_hidden
+                     else None))
 
 
 def precompile_rollouts(params: Params, config: ModelConfig, num_prompts: int,
@@ -115,4 +129,5 @@ def precompile_rollouts(params: Params, config: ModelConfig, num_prompts: int,
                     buckets=settings.buckets, chunk_steps=settings.chunk_steps,
                     spec=settings.spec, drafter=drafter,
                     attention_impl=settings.attention_impl,
-                    min_row_tokens=settings.min_row_tokens, rules=settings.rules)
+                    min_row_tokens=settings.min_row_tokens, rules=settings.rules,
+                    capture_hidden=settings.capture_hidden)

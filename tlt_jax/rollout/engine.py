@@ -48,6 +48,14 @@ class GenerationOutput:
   token_ids: list[int]
   logprobs: list[float]
   finish_reason: str         # "eos" | "length"
+  # With `capture_hidden`: the target's last-layer, post-final-norm hidden state (what
+  # `lm_logits` reads, and what the drafter trainer's `target_hidden` computes) at every
+  # position of prompt + response but the last, [prompt_len + len(token_ids) - 1, E], in
+  # the dtype the rollout computed it in. Those are the positions the rollout ran through
+  # the target; the last emitted token never is. Row p is the state that predicted token
+  # p + 1. As drafter training data: the sample `(prompt + token_ids)[:-1]` with these
+  # states as its `hidden` (`drafter.trainer.train_step`).
+  hidden_states: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,9 +109,12 @@ class _Harvest:
   Per-row SD counters are harvested with the rows: compaction drops finished rows (and
   pads with copies of one), so the final state alone would count only the tail."""
 
-  def __init__(self, num_prompts: int):
+  def __init__(self, prompt_lengths: Sequence[int], capture_hidden: bool):
+    num_prompts = len(prompt_lengths)
+    self.prompt_lengths, self.capture_hidden = prompt_lengths, capture_hidden
     self.tokens: list = [None] * num_prompts
     self.logprobs: list = [None] * num_prompts
+    self.hidden: list = [None] * num_prompts
     self.spec_steps = np.zeros((num_prompts,), np.int64)
     self.spec_tokens = np.zeros((num_prompts,), np.int64)
     # With both sources: verify steps each drafter kind drafted, and the tokens they emitted.
@@ -131,11 +142,16 @@ class _Harvest:
               and isinstance(state.draft, hybrid_lib.HybridState) else None)
     if hybrid is not None:
       kind_steps, kind_tokens = np.asarray(hybrid.steps), np.asarray(hybrid.tokens)
+    # One transfer of the whole record per harvest, then each leaving row's positions.
+    hidden = np.asarray(base.hidden_buf) if self.capture_hidden else None
     for row in np.flatnonzero(which):
       prompt = row_ids[row]
       if prompt >= 0 and self.tokens[prompt] is None:
         self.tokens[prompt] = out_tokens[row, :counts[row]].tolist()
         self.logprobs[prompt] = out_logprobs[row, :counts[row]].tolist()
+        if hidden is not None:
+          ran = self.prompt_lengths[prompt] + counts[row] - 1
+          self.hidden[prompt] = hidden[row, :ran].copy()
         if speculating:
           self.spec_steps[prompt], self.spec_tokens[prompt] = spec_steps[row], spec_tokens[row]
         if hybrid is not None:
@@ -307,21 +323,24 @@ def chunk_window(longest_live: int, chunk_steps: int, spec: SpecConfig | None,
 
 def switch_to_speculation(inputs: DraftInputs, config: ModelConfig,
                           strategies: tuple[SpecStrategy, ...], state: decode.DecodeState,
-                          plan: RolloutPlan, prefill_len: int, attention_impl: str,
-                          rules: MeshRules | None) -> speculative.SpecState:
+                          plan: RolloutPlan, prefill_len: int, keep_hidden: bool,
+                          attention_impl: str, rules: MeshRules | None
+                          ) -> speculative.SpecState:
   """A fresh drafter cache, prefilled over every live row's context (`state` is donated);
-  prefill_len: `drafter_prefill_len`."""
+  prefill_len: `drafter_prefill_len`; keep_hidden: the state's record goes on into SD."""
   draft_cache = init_drafter_cache(config, state.done.shape[0], plan.cache_len,
                                    inputs.params["embed"].dtype, rules,
                                    per_layer=isinstance(inputs.weights.params["layers"], tuple))
   with warnings.catch_warnings():
-    # The kept tokens and hidden states are donated with the state and dropped by design
-    # (speculation runs without them), so no output can reuse them: JAX's warning about
-    # that is expected here. Donating them apart instead crashed XLA's CPU compiler.
+    # Without keep_hidden, the kept tokens and hidden states are donated with the state and
+    # dropped by design (speculation runs without them), so no output can reuse them: JAX's
+    # warning about that is expected here. Donating them apart instead crashed XLA's CPU
+    # compiler.
     warnings.filterwarnings("ignore", "Some donated buffers were not usable", UserWarning)
     return speculative.start_speculation(
         inputs, state, draft_cache, config=config, strategies=strategies,
-        prefill_len=prefill_len, attention_impl=attention_impl, rules=rules)
+        prefill_len=prefill_len, keep_hidden=keep_hidden, attention_impl=attention_impl,
+        rules=rules)
 
 
 def drafter_prefill_len(longest_live: int, plan: RolloutPlan, buckets: BucketSpec) -> int:
@@ -402,6 +421,8 @@ class Rollout:
   attention_impl: str
   rules: MeshRules | None
   compact: bool
+  # Keep the target's hidden state of every position run, through SD, for the outputs.
+  capture_hidden: bool = False
   dispatched: set = dataclasses.field(default_factory=set)
 
   @property
@@ -420,6 +441,12 @@ class Rollout:
   def windowed(self) -> bool:
     return windowed_attention(self.attention_impl, self.rules)
 
+  @property
+  def keep_hidden(self) -> bool:
+    """Whether decode states record tokens and hidden states: for the outputs
+    (capture_hidden), or for the learned drafter's prefill at the SD switch."""
+    return self.capture_hidden or (self.spec is not None and self.spec.learned)
+
   def prefill(self, tokens, lengths, live, caps, key):
     """Every prompt prefilled into a fresh cache (`prefill`), its first token emitted."""
     for _, width, _, _ in prefill_groups(tokens, lengths, self.buckets):
@@ -427,7 +454,7 @@ class Rollout:
     cache = init_cache(self.config, self.plan.batch, self.plan.cache_len,
                        self.params["embed"].dtype, self.rules, per_layer=True)
     return prefill(self.params, tokens, lengths, live, caps, cache, key,
-                   buckets=self.buckets, keep_hidden=self.spec is not None and self.spec.learned,
+                   buckets=self.buckets, keep_hidden=self.keep_hidden,
                    rules=self.rules, **self.static)
 
   def decode(self, state, window: int | None):
@@ -448,7 +475,8 @@ class Rollout:
     if not self.spec.learned:
       return speculative.start_model_free(state, pool, self.rules)
     state = switch_to_speculation(self.inputs, self.config, self.spec.strategies, state,
-                                  self.plan, prefill_len, self.attention_impl, self.rules)
+                                  self.plan, prefill_len, self.capture_hidden,
+                                  self.attention_impl, self.rules)
     if self.spec.model_free:
       state = speculative.add_model_free(state, pool, picks, self.rules)
     return state
@@ -521,7 +549,7 @@ class _Loop:
                memory: SpecMemory | None):
     self.rollout, self.prompts, self.groups, self.extras = rollout, prompts, groups, extras
     self.row_ids, self.memory = row_ids, memory
-    self.harvest = _Harvest(len(prompts))
+    self.harvest = _Harvest([len(p) for p in prompts], rollout.capture_hidden)
     self.start = time.perf_counter()
     self.trace, self.context_trace, self.buckets_used = [], [], [rollout.plan.batch]
     self.spec_on_at, self.steps_below, self.chunk_start, self.plain_chunks = None, 0, 0, 0
@@ -622,7 +650,8 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
              memory: SpecMemory | None = None, compact: bool = True,
              attention_impl: str = "auto", min_row_tokens: int = 0,
              group_ids: Sequence[int] | None = None,
-             draft_context: Sequence[Sequence[int]] | None = None) -> GenerationResult:
+             draft_context: Sequence[Sequence[int]] | None = None,
+             capture_hidden: bool = False) -> GenerationResult:
   """Generates up to `max_new_tokens` tokens for each prompt (lists of token ids); a
   sequence gives each prompt its own cap.
 
@@ -634,12 +663,17 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
   attention_impl: "auto" (Pallas kernel on GPU, jnp elsewhere), "reference", "pallas"
   (interpreted off-GPU: slow, for checking) or "triton". rules: the rollout replica's mesh
   and sharding rules (`weights.place_rollout`); None runs on the default device.
+  capture_hidden: each output also carries the target's hidden states of its sequence
+  (`GenerationOutput.hidden_states`), kept from the passes the rollout runs anyway (plain
+  decode steps and SD verify passes), with no extra forward; its programs are their own
+  (the decode state carries the record), so a rollout without it pays nothing.
   """
   rollout, groups, extras = prepare_rollout(
       params, config, prompts, max_new_tokens=max_new_tokens, spec=spec, drafter=drafter,
       eos_ids=eos_ids, group_ids=group_ids, draft_context=draft_context, rules=rules,
       attention_impl=attention_impl, buckets=buckets, min_row_tokens=min_row_tokens,
-      sampling=sampling, chunk_steps=chunk_steps, compact=compact)
+      sampling=sampling, chunk_steps=chunk_steps, compact=compact,
+      capture_hidden=capture_hidden)
   plan = rollout.plan
   tokens, lengths, live, order = sorted_rows(prompts, plan.batch, plan.prompt_len)
   caps = np.ones((plan.batch,), np.int32)
@@ -658,8 +692,8 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
 
 def _outputs(harvest: _Harvest, plan: RolloutPlan) -> list[GenerationOutput]:
   return [GenerationOutput(ids, logprobs, "eos" if ids and ids[-1] in plan.eos_ids
-                           else "length")
-          for ids, logprobs in zip(harvest.tokens, harvest.logprobs)]
+                           else "length", hidden)
+          for ids, logprobs, hidden in zip(harvest.tokens, harvest.logprobs, harvest.hidden)]
 
 
 def _stats(loop: _Loop, programs_before: int) -> dict:

@@ -36,7 +36,8 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
                drafter: DraftWeights | None = None, compact: bool = True,
                attention_impl: str = "auto", min_row_tokens: int = 0,
                group_ids: Sequence[int] | None = None,
-               draft_context: Sequence[Sequence[int]] | None = None) -> int:
+               draft_context: Sequence[Sequence[int]] | None = None,
+               capture_hidden: bool = False) -> int:
   """Compiles every program `generate` can dispatch with these arguments, for any prompts
   that give the same rollout plan (batch bucket, padded prompt length, cache length,
   distinct prompts per prefill group; model-free: the same pool shapes from group_ids and
@@ -46,7 +47,8 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
       params, config, prompts, max_new_tokens=max_new_tokens, spec=spec, drafter=drafter,
       eos_ids=eos_ids, group_ids=group_ids, draft_context=draft_context, rules=rules,
       attention_impl=attention_impl, buckets=buckets, min_row_tokens=min_row_tokens,
-      sampling=sampling, chunk_steps=chunk_steps, compact=compact)
+      sampling=sampling, chunk_steps=chunk_steps, compact=compact,
+      capture_hidden=capture_hidden)
   builder = _Builder(rollout, len(prompts), groups, extras)
   for program in rollout.programs():
     builder.build(program)
@@ -75,7 +77,7 @@ class _Builder:
     state = decode.empty_state(
         _cache(rollout), jnp.ones((batch,), jnp.int32), jnp.zeros((batch,), bool),
         jax.random.key(0), max_new_tokens=plan.max_new_tokens,
-        keep_hidden=rollout.spec is not None and rollout.spec.learned,
+        keep_hidden=rollout.keep_hidden,
         hidden_size=rollout.config.hidden_size, rules=rollout.rules)
     for count in [plan.prefill_prompts[0]] + sorted(set(plan.prefill_prompts[1:])):
       state = decode.prefill_rows(

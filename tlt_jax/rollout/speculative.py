@@ -12,6 +12,11 @@ The draft comes from a `drafting.Drafter` (learned, model-free or hybrid), whose
 `SpecState.draft` and whose weights are an argument (`DraftInputs`). Between steps the
 target cache holds committed tokens and the pending token x_L (emitted, not yet run) is
 `base.last_tokens`.
+
+With the base state's per-position record kept (`start_speculation(keep_hidden=True)`),
+each step also records the verify pass's hidden states of the nodes it commits: the root
+(the pending token) and the accepted drafts, at the positions those tokens take in the
+sequence, so a rollout hands back the target's hidden state of every token it ran.
 """
 from __future__ import annotations
 
@@ -55,24 +60,25 @@ def cache_margin(strategies: Sequence[SpecStrategy]) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("config", "strategies", "prefill_len",
-                                             "attention_impl", "rules"),
+                                             "keep_hidden", "attention_impl", "rules"),
                    donate_argnames=("base", "draft_cache"))
 def start_speculation(inputs: DraftInputs, base: DecodeState, draft_cache: KVCache, *,
                       config: ModelConfig, strategies: tuple[SpecStrategy, ...],
-                      prefill_len: int, attention_impl: str = "auto",
-                      rules: MeshRules | None = None) -> SpecState:
+                      prefill_len: int, keep_hidden: bool = False,
+                      attention_impl: str = "auto", rules: MeshRules | None = None
+                      ) -> SpecState:
   """Drafter prefill over each row's existing context (slots 0..L-2), leaving the pair
   (h_{L-1}, x_L) pending. strategies: those the rollout may switch between. prefill_len:
   slots prefilled, at least the longest live row's L (a bucket of it, so few programs
   serve every switch); slots past it stay empty, which only finished rows can reach
-  (nothing they draft is emitted)."""
+  (nothing they draft is emitted). keep_hidden: the base state's record of tokens and
+  hidden states goes on into speculation (the rollout captures hidden states); without it
+  the record has served its one purpose here, and speculation runs without it."""
   draft = prefilled_state(inputs, base, draft_cache, config=config, strategies=strategies,
                           prefill_len=prefill_len, attention_impl=attention_impl, rules=rules)
   zeros = jnp.zeros(base.done.shape, jnp.int32)
-  # The kept tokens and hidden states have served their one purpose (this drafter prefill).
-  # Recording them on in the SD loop would copy loop state every step, so speculation runs
-  # without them.
-  base = base.replace(history=None, hidden_buf=None)
+  if not keep_hidden:
+    base = base.replace(history=None, hidden_buf=None)
   return lay_out(SpecState(base=base, draft=draft, spec_steps=zeros, spec_tokens=zeros), rules)
 
 
@@ -139,6 +145,22 @@ def _commit(base: DecodeState, key, accepted: _Accepted, new_k, new_v, eos_ids,
   return base
 
 
+def _record_path(committed: DecodeState, lengths: jax.Array, tokens: jax.Array,
+                 hidden: jax.Array, path: jax.Array, new_tokens: jax.Array) -> DecodeState:
+  """Records (when the state keeps a record) the tokens [B, V] and hidden states [B, V, E]
+  of the path's first `new_tokens` nodes at positions lengths + depth: the root (the
+  pending token, at the committed length) and the accepted drafts. Each emitted token
+  then has the state that predicted it recorded (the bonus token runs next step); a row
+  that emitted nothing (finished) records nothing."""
+  if committed.history is None:
+    return committed
+  depth = jnp.arange(path.shape[1])[None, :]
+  positions = jnp.where(depth < new_tokens[:, None], lengths[:, None] + depth,
+                        committed.history.shape[1])             # out of range: dropped
+  return committed.record(positions, jnp.take_along_axis(tokens, path, axis=1),
+                          jnp.take_along_axis(hidden, path[:, :, None], axis=1))
+
+
 def spec_step(params: Params, inputs: DraftInputs, state: SpecState, *, drafter: Drafter,
               config: ModelConfig, strategy: SpecStrategy, sampling: SamplingParams,
               eos_ids: tuple[int, ...], max_new_tokens: int, attention_impl: str = "auto",
@@ -158,6 +180,8 @@ def spec_step(params: Params, inputs: DraftInputs, state: SpecState, *, drafter:
   accepted = _accept(accept_key, logits, draft, strategy, sampling, draft_vocab)
   committed = _commit(base, key, accepted, new_k, new_v, eos_ids, max_new_tokens)
   new_tokens = committed.num_generated - base.num_generated
+  committed = _record_path(committed, base.cache.lengths, tree.tokens, hidden, accepted.path,
+                           new_tokens)
   draft_state = drafter.commit(draft_state, strategy, Verified(
       hidden=hidden, path=accepted.path, emitted=accepted.emitted,
       num_accepted=accepted.num_accepted, new_tokens=new_tokens, live=live,
