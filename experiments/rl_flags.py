@@ -376,4 +376,7 @@ def build_run(total_steps: int, replicas=None) -> Run:
                     update=context, rewards=rewards, drafter=drafter,
                     between_phases=host.return_free_heap, replicas=replicas,
                     idle_drafter=idle_drafter(spot, model.config, drafter, replicas))
+  if learner.idle_drafter is not None:
+    print("compiling the online drafter's train and gate steps ...", file=sys.stderr)
+    learner.idle_drafter.spot.warm_up(learner.rollout_params)
   return Run(learner=learner, val_items=data.val, model=model, spec=spec, data_counts=counts)

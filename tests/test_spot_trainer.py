@@ -51,6 +51,7 @@ def _trainer(**overrides):
 def test_a_trained_candidate_is_deployed_and_a_tie_is_not(target):
   spot = _trainer()
   spot.observe(1, _rollout(target, 1, 16))
+  spot.warm_up(target)                                     # compiles; changes nothing
   before = jax.tree.map(np.asarray, spot.deployed.params)
   assert not spot.sync(0)                                  # nobody trained: nothing changes
   tie = spot.gate(target)

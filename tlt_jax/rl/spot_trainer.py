@@ -31,9 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from tlt_jax import optim
+from tlt_jax.data.packing import layout_rows
 from tlt_jax.drafter import gate as gate_lib
 from tlt_jax.drafter import online
 from tlt_jax.drafter.buffer import BufferConfig, OnlineBuffer
+from tlt_jax.drafter.losses import CE_WEIGHT
 from tlt_jax.drafter.trainer import TrainState, init_train_state
 from tlt_jax.errors import UserInputError
 from tlt_jax.models.config import ModelConfig
@@ -111,6 +113,24 @@ class SpotTrainer:
     self.state: TrainState = init_train_state(_copy(deployed.params), self.optimizer)
     self.buffer = OnlineBuffer(config.buffer)
     self.watch = gate_lib.DecayWatch(config.decay_tolerance)
+
+  def warm_up(self, target_params: Params) -> None:
+    """Compiles the drafter's train step and the gate's scoring now, on an empty batch of
+    the buffer's one shape: a spot step that compiled would hold the rollout's end for the
+    whole compile."""
+    cfg = self.config.buffer
+    rows = layout_rows([], [], cfg.seq_len, cfg.batch_rows)
+    hidden = np.zeros(rows.tokens.shape + (self.model_config.hidden_size,),
+                      target_params["embed"].dtype)
+    # The arguments exactly as `online.train_steps` passes them: a static argument left to
+    # its default is another cache key than the same value passed.
+    online.guarded_step(_copy(self.state), target_params, rows, hidden,
+                        self.deployed.vocab_ids, config=self.model_config,
+                        optimizer=self.optimizer, ce_weight=CE_WEIGHT,
+                        unroll=self.config.unroll)
+    gate_lib.heldout_levels(self.deployed.params, target_params, [(rows, hidden)],
+                            self.deployed.vocab_ids, config=self.model_config,
+                            greedy=self.config.greedy, depth=self.config.unroll)
 
   def observe(self, step: int, sequences: Iterable[tuple[Sequence[int], Sequence[int], Any]]
               ) -> None:
