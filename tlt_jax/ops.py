@@ -71,10 +71,11 @@ def register(op: str, name: str, implementation: Callable) -> None:
 
 # ---- weights ---------------------------------------------------------------------------
 
-def packs_weights(dtype) -> bool:
+def packs_weights(dtype, platform: str | None = None) -> bool:
   """Whether the rollout's layout holds matrices of this dtype packed for the CPU matmul
-  kernel: float32 where the CPU kernels run."""
-  return cpu_kernels.enabled(dtype)
+  kernel, for programs on `platform` (None: this process's default backend): float32 where
+  the CPU kernels run."""
+  return (platform or _default_platform()) == "cpu" and cpu_kernels.enabled(dtype)
 
 
 def pack(w: jax.Array) -> PackedWeight:

@@ -20,7 +20,7 @@ import functools
 import math
 import time
 import warnings
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -221,20 +221,28 @@ def sorted_rows(prompts: Sequence[Sequence[int]], batch: int, prompt_len: int
   return tokens[order], lengths[order], live[order], order
 
 
+def run_program(fn: Callable, args: tuple, kwargs: dict) -> Any:
+  """Runs one of the rollout's programs (a `Rollout.runner`): calls it."""
+  return fn(*args, **kwargs)
+
+
 def prefill(params: Params, tokens: np.ndarray, lengths: np.ndarray, live: np.ndarray,
             caps: np.ndarray, cache: KVCache, key: jax.Array, *, buckets: BucketSpec,
             keep_hidden: bool, rules: MeshRules | None, config: ModelConfig,
+            runner: Callable[[Callable, tuple, dict], Any] = run_program,
             **static) -> decode.DecodeState:
   """Prefills padded prompts whose rows are sorted longest first, group by group
   (`BucketSpec.prefill_groups`), each group padded only to its own longest prompt and
-  running each distinct prompt once (`distinct_prompts`)."""
+  running each distinct prompt once (`distinct_prompts`); `runner` runs each group's
+  program (`Rollout.runner`)."""
   state = decode.empty_state(cache, jnp.asarray(caps), jnp.asarray(live), key,
                              max_new_tokens=static["max_new_tokens"], keep_hidden=keep_hidden,
                              hidden_size=config.hidden_size, rules=rules)
   for group, width, picked, sources in prefill_groups(tokens, lengths, buckets):
-    state = decode.prefill_rows(params, state, jnp.asarray(tokens[group][picked, :width]),
-                                jnp.asarray(lengths[group][picked]), jnp.asarray(sources),
-                                jnp.int32(group.start), config=config, rules=rules, **static)
+    state = runner(decode.prefill_rows,
+                   (params, state, jnp.asarray(tokens[group][picked, :width]),
+                    jnp.asarray(lengths[group][picked]), jnp.asarray(sources),
+                    jnp.int32(group.start)), dict(config=config, rules=rules, **static))
   return state
 
 
@@ -288,11 +296,13 @@ def chunk_reach(longest_live: int, chunk_steps: int, spec: SpecConfig | None) ->
           + speculative.cache_margin(spec.strategies))
 
 
-def windowed_attention(attention_impl: str, rules: MeshRules | None) -> bool:
-  """Whether chunks attend over a window of the cache (copied out and back per chunk). The
-  CPU attention kernel reads only the slots a query sees, where a window only adds the
-  copies (SmolLM2, batch 8: ~2 ms a step)."""
-  return resolve_attention(attention_impl, sharded=spans_devices(rules)) != "cpu"
+def windowed_attention(attention_impl: str, rules: MeshRules | None,
+                       platform: str | None = None) -> bool:
+  """Whether chunks attend over a window of the cache (copied out and back per chunk), on
+  `platform` (None: this process's default backend). The CPU attention kernel reads only
+  the slots a query sees, where a window only adds the copies (SmolLM2, batch 8: ~2 ms a
+  step)."""
+  return resolve_attention(attention_impl, platform, sharded=spans_devices(rules)) != "cpu"
 
 
 def chunk_window(longest_live: int, chunk_steps: int, spec: SpecConfig | None,
@@ -308,9 +318,11 @@ def chunk_window(longest_live: int, chunk_steps: int, spec: SpecConfig | None,
 def switch_to_speculation(inputs: DraftInputs, config: ModelConfig,
                           strategies: tuple[SpecStrategy, ...], state: decode.DecodeState,
                           plan: RolloutPlan, prefill_len: int, attention_impl: str,
-                          rules: MeshRules | None) -> speculative.SpecState:
+                          rules: MeshRules | None,
+                          runner: Callable[[Callable, tuple, dict], Any] = run_program
+                          ) -> speculative.SpecState:
   """A fresh drafter cache, prefilled over every live row's context (`state` is donated);
-  prefill_len: `drafter_prefill_len`."""
+  prefill_len: `drafter_prefill_len`; `runner` runs the program (`Rollout.runner`)."""
   draft_cache = init_drafter_cache(config, state.done.shape[0], plan.cache_len,
                                    inputs.params["embed"].dtype, rules,
                                    per_layer=isinstance(inputs.weights.params["layers"], tuple))
@@ -319,9 +331,9 @@ def switch_to_speculation(inputs: DraftInputs, config: ModelConfig,
     # (speculation runs without them), so no output can reuse them: JAX's warning about
     # that is expected here. Donating them apart instead crashed XLA's CPU compiler.
     warnings.filterwarnings("ignore", "Some donated buffers were not usable", UserWarning)
-    return speculative.start_speculation(
-        inputs, state, draft_cache, config=config, strategies=strategies,
-        prefill_len=prefill_len, attention_impl=attention_impl, rules=rules)
+    return runner(speculative.start_speculation, (inputs, state, draft_cache),
+                  dict(config=config, strategies=strategies, prefill_len=prefill_len,
+                       attention_impl=attention_impl, rules=rules))
 
 
 def drafter_prefill_len(longest_live: int, plan: RolloutPlan, buckets: BucketSpec) -> int:
@@ -402,6 +414,13 @@ class Rollout:
   attention_impl: str
   rules: MeshRules | None
   compact: bool
+  # The platform the programs are for, where the host lays them out (packed weights,
+  # attention windows); None: this process's default backend. The kernels inside follow
+  # the platform each program is lowered for (`ops.by_platform`).
+  platform: str | None = None
+  # Runs each program, given (jitted function, args, kwargs): `run_program` calls it;
+  # `tlt_jax.rollout.lowering` traces it and lowers it for other platforms instead.
+  runner: Callable[[Callable, tuple, dict], Any] = run_program
   dispatched: set = dataclasses.field(default_factory=set)
 
   @property
@@ -418,7 +437,7 @@ class Rollout:
 
   @property
   def windowed(self) -> bool:
-    return windowed_attention(self.attention_impl, self.rules)
+    return windowed_attention(self.attention_impl, self.rules, self.platform)
 
   def prefill(self, tokens, lengths, live, caps, key):
     """Every prompt prefilled into a fresh cache (`prefill`), its first token emitted."""
@@ -428,17 +447,23 @@ class Rollout:
                        self.params["embed"].dtype, self.rules, per_layer=True)
     return prefill(self.params, tokens, lengths, live, caps, cache, key,
                    buckets=self.buckets, keep_hidden=self.spec is not None and self.spec.learned,
-                   rules=self.rules, **self.static)
+                   rules=self.rules, runner=self.runner, **self.static)
+
+  def prefill_group(self, state, tokens, lengths, sources, row_start):
+    """One prefill group's program (`decode.prefill_rows`), as `prefill` runs it."""
+    return self.runner(decode.prefill_rows, (self.params, state, tokens, lengths, sources,
+                                             row_start), dict(rules=self.rules, **self.static))
 
   def decode(self, state, window: int | None):
     self.dispatched.add(Program("decode", state.done.shape[0], window))
-    return decode.decode_chunk(self.params, state, chunk_steps=self.chunk_steps,
-                               window=window, rules=self.rules, **self.static)
+    return self.runner(decode.decode_chunk, (self.params, state),
+                       dict(chunk_steps=self.chunk_steps, window=window, rules=self.rules,
+                            **self.static))
 
   def take(self, state, rows: np.ndarray):
     kind = "spec_compact" if isinstance(state, speculative.SpecState) else "compact"
     self.dispatched.add(Program(kind, _base(state).done.shape[0], size=len(rows)))
-    return take_rows(state, jnp.asarray(rows, jnp.int32), self.rules)
+    return self.runner(take_rows, (state, jnp.asarray(rows, jnp.int32)), dict(rules=self.rules))
 
   def switch(self, state, prefill_len: int, pool, picks: hybrid_lib.PickMemory | None):
     """Speculation from a decode state: the drafter prefilled over each row's context
@@ -446,19 +471,21 @@ class Rollout:
     batch = state.done.shape[0]
     self.dispatched.add(Program("switch", batch, size=prefill_len if self.spec.learned else 0))
     if not self.spec.learned:
-      return speculative.start_model_free(state, pool, self.rules)
+      return self.runner(speculative.start_model_free, (state, pool), dict(rules=self.rules))
     state = switch_to_speculation(self.inputs, self.config, self.spec.strategies, state,
-                                  self.plan, prefill_len, self.attention_impl, self.rules)
+                                  self.plan, prefill_len, self.attention_impl, self.rules,
+                                  self.runner)
     if self.spec.model_free:
-      state = speculative.add_model_free(state, pool, picks, self.rules)
+      state = self.runner(speculative.add_model_free, (state, pool),
+                          dict(memory=picks, rules=self.rules))
     return state
 
   def speculate(self, state, strategy: SpecStrategy, window: int | None):
     self.dispatched.add(Program("spec", state.base.done.shape[0], window, strategy))
     drafter = self.spec.drafter(strategy, self.config, self.attention_impl, self.rules)
-    return speculative.spec_chunk(self.params, self.inputs, state, drafter=drafter,
-                                  strategy=strategy, chunk_steps=self.chunk_steps,
-                                  window=window, rules=self.rules, **self.static)
+    return self.runner(speculative.spec_chunk, (self.params, self.inputs, state),
+                       dict(drafter=drafter, strategy=strategy, chunk_steps=self.chunk_steps,
+                            window=window, rules=self.rules, **self.static))
 
   def programs(self) -> list[Program]:
     """Every program this rollout can dispatch, in an order `precompile` can build them:
@@ -498,9 +525,11 @@ def prepare_rollout(params: Params, config: ModelConfig, prompts: Sequence[Seque
                     group_ids: Sequence[int] | None,
                     draft_context: Sequence[Sequence[int]] | None, rules: MeshRules | None,
                     attention_impl: str, buckets: BucketSpec, min_row_tokens: int,
+                    platform: str | None = None,
                     **settings) -> tuple[Rollout, list[int], list[list[int]]]:
   """Checks a rollout's arguments, places its weights and plans it: the `Rollout`, and the
-  model-free drafter's groups and extra draft text (`draft_groups`)."""
+  model-free drafter's groups and extra draft text (`draft_groups`). platform: the one its
+  programs are for (`Rollout.platform`)."""
   check_attention_impl(attention_impl)
   if spec is not None:
     spec.check_weights(drafter)
@@ -508,9 +537,9 @@ def prepare_rollout(params: Params, config: ModelConfig, prompts: Sequence[Seque
     raise UserInputError("drafter weights given without a SpecConfig (speculation is off)")
   plan = plan_rollout(prompts, max_new_tokens, config, buckets, spec, eos_ids, min_row_tokens)
   groups, extras = draft_groups(prompts, group_ids, draft_context, spec, config.vocab_size)
-  params, drafter = place_rollout(params, config, drafter, rules)
+  params, drafter = place_rollout(params, config, drafter, rules, platform)
   return Rollout(params, config, plan, spec, drafter, buckets=buckets, rules=rules,
-                 attention_impl=attention_impl, **settings), groups, extras
+                 attention_impl=attention_impl, platform=platform, **settings), groups, extras
 
 
 class _Loop:
