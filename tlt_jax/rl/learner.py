@@ -24,7 +24,7 @@ from tlt_jax.rl.config import AdvantageConfig, OverlongConfig
 from tlt_jax.rl.rewards import RewardItem, RewardPool, require_some_scored
 from tlt_jax.rl.rollout import (GroupRollouts, RolloutSettings, concat_rollouts,
                                 lay_out_for_rollout, sample_groups)
-from tlt_jax.rl.update import (PolicyState, UpdateContext, compiled_programs, score_sequences,
+from tlt_jax.rl.update import (PolicyState, UpdateContext, program_totals, score_sequences,
                                update_policy)
 from tlt_jax.rollout import engine
 from tlt_jax.rollout.sampling import SamplingParams
@@ -106,7 +106,7 @@ class Learner:
   def step(self, step: int) -> dict[str, Any]:
     record: dict[str, Any] = {"step": step}
     start = time.perf_counter()
-    programs_before = engine.compiled_programs() + compiled_programs()
+    programs_before = compile_totals()
 
     scored = self.collect_groups(step, record)                     # rollout + rewards
     self.rollout_params = None    # the sync below lays the updated params out afresh
@@ -136,8 +136,7 @@ class Learner:
 
     record.update(self.batch_metrics(scored, group_size))
     record["actor/lr"] = float(self.learning_rate())
-    record["compile/programs"] = engine.compiled_programs() + compiled_programs()
-    record["compile/new_programs"] = record["compile/programs"] - programs_before
+    record.update(compile_metrics(programs_before, compile_totals()))
     record["timing/step_s"] = time.perf_counter() - start
     trained = int(sum(len(p) + len(r) for p, r in zip(batch.prompts, batch.responses)))
     record["perf/tokens_per_s"] = trained / record["timing/step_s"]
@@ -251,6 +250,23 @@ class Learner:
         "response_len/mean": float(lengths.mean()), "response_len/max": int(lengths.max()),
         "response_len/clip_frac": float(scored.rollouts.truncated.mean()),
     }
+
+
+def compile_totals() -> dict[str, int]:
+  """The rollout's and the update's programs so far: built, loaded from the persistent
+  compilation cache, written to it (`CompileCounter.totals`)."""
+  rollout, update = engine.program_totals(), program_totals()
+  return {name: rollout[name] + update[name] for name in rollout}
+
+
+def compile_metrics(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+  """`compile/programs` (built so far), and the step's `compile/new_programs` (built),
+  `compile/cache_hits` (loaded from the persistent compilation cache instead) and
+  `compile/cache_misses` (built and written to it)."""
+  return {"compile/programs": after["programs"],
+          "compile/new_programs": after["programs"] - before["programs"],
+          "compile/cache_hits": after["cache_hits"] - before["cache_hits"],
+          "compile/cache_misses": after["cache_misses"] - before["cache_misses"]}
 
 
 def rollout_stats(stats: dict) -> dict[str, Any]:

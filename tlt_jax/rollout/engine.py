@@ -82,6 +82,16 @@ def compiled_programs() -> int:
   return _COMPILES.count
 
 
+def program_totals() -> dict[str, int]:
+  """The engine's programs so far, built and loaded from the persistent compilation cache
+  (`CompileCounter.totals`)."""
+  return _COMPILES.totals()
+
+
+def _programs_made() -> int:
+  return _COMPILES.count + _COMPILES.loaded
+
+
 def pad_prompts(prompts: Sequence[Sequence[int]], batch_size: int,
                 padded_length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Right-pads prompts into [batch_size, padded_length]; extra rows are dead (live=False)."""
@@ -572,8 +582,8 @@ class _Loop:
                                isinstance(state, speculative.SpecState)))
     if self.played is not None:
       played_rows, strategy, began, programs = self.played
-      # A chunk that compiled a program measured the compiler, not the strategy.
-      if compiled_programs() == programs and now > began:
+      # A chunk that compiled (or loaded) a program measured that, not the strategy.
+      if _programs_made() == programs and now > began:
         self.memory.bandit.record(played_rows, strategy, self.emitted / (now - began))
       self.played = None
     return live_rows, longest_live
@@ -628,7 +638,7 @@ class _Loop:
       # The timer starts once compaction and the drafter prefill are done, so a reward
       # measures only the chunk it is given to.
       jax.block_until_ready(state)
-      self.played = (live_rows, strategy, time.perf_counter(), compiled_programs())
+      self.played = (live_rows, strategy, time.perf_counter(), _programs_made())
     self.strategy_chunks[strategy.name] += 1
     return rollout.speculate(state, strategy, chunk_window(
         longest_live, rollout.chunk_steps, spec, rollout.plan, rollout.buckets,
@@ -674,7 +684,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
   caps = np.ones((plan.batch,), np.int32)
   caps[:len(prompts)] = plan.caps
   memory = memory or (SpecMemory(spec) if spec is not None else None)
-  programs_before = compiled_programs()
+  programs_before = program_totals()
   loop = _Loop(rollout, prompts, groups, extras, np.where(live, order, -1), memory)
   state = rollout.prefill(tokens, lengths, live, caps[order], jax.random.key(seed))
   while (view := loop.observe(state))[0]:
@@ -691,7 +701,7 @@ def _outputs(harvest: _Harvest, plan: RolloutPlan) -> list[GenerationOutput]:
           for ids, logprobs in zip(harvest.tokens, harvest.logprobs)]
 
 
-def _stats(loop: _Loop, programs_before: int) -> dict:
+def _stats(loop: _Loop, programs_before: dict[str, int]) -> dict:
   rollout, harvest, plan = loop.rollout, loop.harvest, loop.rollout.plan
   generated = sum(len(ids) for ids in harvest.tokens)
   total_s = loop.total_s
@@ -706,7 +716,8 @@ def _stats(loop: _Loop, programs_before: int) -> dict:
       "rollout/tail_s": tail_seconds(loop.trace, len(loop.prompts)),
       "rollout/batch_buckets": loop.buckets_used,
       "compile/programs": compiled_programs(),
-      "compile/new_programs": compiled_programs() - programs_before,
+      "compile/new_programs": compiled_programs() - programs_before["programs"],
+      "compile/cache_hits": program_totals()["cache_hits"] - programs_before["cache_hits"],
       # Programs run that `Rollout.programs` does not list (so `precompile` would miss).
       "compile/unlisted": sorted(map(str, rollout.dispatched - set(rollout.programs()))),
       "decode_chunks/plain": loop.plain_chunks,
