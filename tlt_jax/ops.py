@@ -92,11 +92,14 @@ def pack_like(w: jax.Array, like: Weight) -> Weight:
 
 
 def dense(x: jax.Array, w: Weight) -> jax.Array:
-  """x [..., in] @ w [in, out]."""
+  """x [..., in] @ w [in, out]. The cpu variant is XLA's own ops (only its backward is laid
+  out for the CPU), valid on every platform: it is chosen by this process's backend, not
+  staged per platform (`by_platform`), which would trace each of a model's matmuls twice."""
   if isinstance(w, PackedWeight):
-    return IMPLEMENTATIONS["dense"]["packed"](x, w)
-  chosen = {p: "cpu" if p == "cpu" else "reference" for p in PLATFORMS}
-  return by_platform((x, w), chosen, IMPLEMENTATIONS["dense"])
+    impl = "packed"
+  else:
+    impl = "cpu" if _default_platform() == "cpu" else "reference"
+  return IMPLEMENTATIONS["dense"][impl](x, w)
 
 
 def dense_shared_input(x: jax.Array, weights: Sequence[Weight]) -> tuple[jax.Array, ...]:
@@ -177,6 +180,9 @@ def attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, cache_mask: 
     if chosen[platform] == "cpu":
       chosen[platform] = _cpu_attention_path(q, cache_k, cache_v, k, v,
                                              strict=impl == "cpu")
+  # Under 'auto' Pallas runs only where it compiles: no interpreted variant to trace.
+  if impl == "auto" and interpret is None:
+    interpret = False
   implementations = {
       "reference": IMPLEMENTATIONS["attention"]["reference"],
       "self_attention": lambda q, cache_k, cache_v, cache_mask, k, v, new_mask:

@@ -133,11 +133,9 @@ def _kernel(q_ref, cache_k_ref, cache_v_ref, cache_mask_ref, k_ref, v_ref, new_m
 # Each compiling platform's Pallas backend, by its compiler params: Triton for cuda/rocm (jax
 # 0.10's default, Mosaic GPU, cannot lower this kernel's dots), Mosaic for tpu with the
 # grid's three axes independent.
-_COMPILER_PARAMS = {
-    "cuda": plgpu.CompilerParams(num_warps=4, num_stages=2),
-    "rocm": plgpu.CompilerParams(num_warps=4, num_stages=2),
-    "tpu": pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
-}
+_TRITON_PARAMS = plgpu.CompilerParams(num_warps=4, num_stages=2)
+_COMPILER_PARAMS = {"cuda": _TRITON_PARAMS, "rocm": _TRITON_PARAMS,
+                    "tpu": pltpu.CompilerParams(dimension_semantics=("parallel",) * 3)}
 
 
 @functools.partial(jax.jit, static_argnames=("block_s", "block_m", "interpret"))
@@ -198,8 +196,10 @@ def tree_attention_pallas(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
   if interpret:
     out = call(*operands, interpret=True)
   else:
-    compiled = {p: functools.partial(call, compiler_params=params)
-                for p, params in _COMPILER_PARAMS.items()}
+    # One traced kernel per backend (cuda and rocm share theirs).
+    variants = {id(params): functools.partial(call, compiler_params=params)
+                for params in _COMPILER_PARAMS.values()}
+    compiled = {p: variants[id(params)] for p, params in _COMPILER_PARAMS.items()}
     out = jax.lax.platform_dependent(
         *operands, **compiled,
         default=None if interpret is False else functools.partial(call, interpret=True))
