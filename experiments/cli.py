@@ -1,4 +1,5 @@
-"""Shared CLI plumbing: absl flag parsing and user errors as one line with exit code 2."""
+"""Shared CLI plumbing: absl flag parsing, user errors as one line with exit code 2, and
+the process set-up every entry point shares (huge-page malloc, the compilation cache)."""
 from __future__ import annotations
 
 import json
@@ -12,9 +13,15 @@ from absl import app, flags, logging
 
 from tlt_jax.errors import UserInputError
 from tlt_jax.files import atomic_file
-from tlt_jax.runtime import host
+from tlt_jax.runtime import compilation_cache, host
 
 EXIT_USAGE = 2
+
+_COMPILATION_CACHE_DIR = flags.DEFINE_string(
+    "compilation_cache_dir", None, "Where JAX's persistent compilation cache keeps this "
+    "machine's compiled programs, so the next run of a setting loads them instead of "
+    "compiling (default: $JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/tlt_jax/jax or "
+    "~/.cache/tlt_jax/jax); empty: off.")
 
 
 def fail(message: str) -> None:
@@ -49,10 +56,20 @@ def _quiet_unraisable(unraisable) -> None:
     sys.__unraisablehook__(unraisable)
 
 
+def enable_compilation_cache() -> None:
+  """`--compilation_cache_dir` (or its default) on for this process, checked writable."""
+  path = _COMPILATION_CACHE_DIR.value
+  path = compilation_cache.default_dir() if path is None else path
+  if path:
+    check_output_dir(path, "--compilation_cache_dir")
+  compilation_cache.enable(path)
+
+
 def run(main: Callable[[list[str]], Any]) -> None:
   """`app.run` with bad flags, `UserInputError`s and I/O failures (a full disk, a
   read-only dir) reported as one line, exit code 2; the process first restarts itself with
-  huge-page malloc (`host.reexec_with_huge_pages`)."""
+  huge-page malloc (`host.reexec_with_huge_pages`), and turns the compilation cache on
+  before `main` compiles anything (`enable_compilation_cache`)."""
   host.reexec_with_huge_pages()
 
   def guarded(argv):
@@ -67,6 +84,7 @@ def run(main: Callable[[list[str]], Any]) -> None:
       # warning prints at interpreter exit, after (and burying) the one-line error.
       warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited", RuntimeWarning)
     try:
+      enable_compilation_cache()
       return main(argv)
     except UserInputError as e:
       fail(str(e))

@@ -1,5 +1,11 @@
 """Shared pytest fixtures and settings."""
-import jax
+import os
+
+# No test writes to the user's compilation cache: entry points the tests start (and JAX in
+# this process) run with it off, unless a test passes its own --compilation_cache_dir.
+os.environ["JAX_COMPILATION_CACHE_DIR"] = ""
+
+import jax  # noqa: E402  (after the environment it reads)
 import pytest
 
 from tests.hf_fixtures import TINY_KINDS, make_tiny_hf_checkpoint

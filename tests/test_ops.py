@@ -83,7 +83,11 @@ def test_the_choice_follows_the_backend():
   assert ops.resolve_attention("auto", "cpu") == on_cpu
   assert ops.resolve_attention("auto", "cpu", sharded=True) == "reference"
   assert ops.resolve_attention("auto", "gpu") == "pallas"
-  assert ops.packed_rows_attention_impl(sharded=True) == "reference"
+  assert ops.resolve_attention("auto", "cuda") == "pallas"
+  assert ops.resolve_attention("auto", "tpu") == "reference"
+  assert ops.resolve_attention(ops.TRAINING_AUTO, "cpu") == on_cpu
+  assert ops.resolve_attention(ops.TRAINING_AUTO, "cuda") == "reference"
+  assert ops.resolve_attention(ops.TRAINING_AUTO, "cpu", sharded=True) == "reference"
   assert ops.packs_weights(jnp.bfloat16) is False
   w = jnp.ones((4, 3))
   assert ops.pack_like(w, w) is w

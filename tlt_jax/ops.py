@@ -16,9 +16,12 @@ these functions and never asks which backend it runs on.
   token_logprobs  reference; cpu (`tlt_jax.cpu.token_logprobs`): the trainer's LM-head
                   softmax
 
-How one is chosen: the C++ kernels run where `tlt_jax.cpu.kernels.enabled` says
-(TLT_JAX_CPU_KERNELS, the CPU's flags, float32) on one device's buffers (operands split
-over several devices take the reference); attention runs Pallas on GPU. A packed weight
+How one is chosen: per platform a program is lowered for (`by_platform`: the choice is
+staged with `lax.platform_dependent` and settled when lowering, so a program exported here
+for a GPU or TPU holds that platform's implementations, never a CPU-only kernel). On CPU
+the C++ kernels run where `tlt_jax.cpu.kernels.enabled` says (TLT_JAX_CPU_KERNELS, the
+CPU's flags, float32) on one device's buffers (operands split over several devices take
+the reference); attention runs Pallas on GPU; the rest is the reference. A packed weight
 (`PackedWeight`) exists only in the rollout's layout (`tlt_jax.rollout.weights`, where
 `packs_weights` says), never in the params a trainer or checkpoint holds, and takes the
 packed kernel wherever it is passed.
@@ -68,10 +71,11 @@ def register(op: str, name: str, implementation: Callable) -> None:
 
 # ---- weights ---------------------------------------------------------------------------
 
-def packs_weights(dtype) -> bool:
+def packs_weights(dtype, platform: str | None = None) -> bool:
   """Whether the rollout's layout holds matrices of this dtype packed for the CPU matmul
-  kernel: float32 where the CPU kernels run."""
-  return cpu_kernels.enabled(dtype)
+  kernel, for programs on `platform` (None: this process's default backend): float32 where
+  the CPU kernels run."""
+  return (platform or _default_platform()) == "cpu" and cpu_kernels.enabled(dtype)
 
 
 def pack(w: jax.Array) -> PackedWeight:
@@ -88,11 +92,13 @@ def pack_like(w: jax.Array, like: Weight) -> Weight:
 
 
 def dense(x: jax.Array, w: Weight) -> jax.Array:
-  """x [..., in] @ w [in, out]."""
+  """x [..., in] @ w [in, out]. The cpu variant is XLA's own ops (only its backward is laid
+  out for the CPU), valid on every platform: it is chosen by this process's backend, not
+  staged per platform (`by_platform`), which would trace each of a model's matmuls twice."""
   if isinstance(w, PackedWeight):
     impl = "packed"
   else:
-    impl = "cpu" if jax.default_backend() == "cpu" else "reference"
+    impl = "cpu" if _default_platform() == "cpu" else "reference"
   return IMPLEMENTATIONS["dense"][impl](x, w)
 
 
@@ -109,50 +115,81 @@ def logits(hidden: jax.Array, head: Weight) -> jax.Array:
   return IMPLEMENTATIONS["logits"][impl](hidden, head)
 
 
+# ---- choosing by platform ------------------------------------------------------------
+
+# The platforms a program can be lowered for; 'gpu' (what `jax.default_backend` says on
+# either GPU) stands for cuda and rocm.
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+
+
+def _default_platform() -> str:
+  return jax.default_backend()
+
+
+def by_platform(args: tuple, chosen: dict[str, str], implementations: dict[str, Callable]):
+  """`implementations[chosen[p]](*args)` on the platform p the program is lowered for: the
+  choice is staged with `lax.platform_dependent`, so a program lowered here for another
+  platform (`jit(f).trace(...).lower(lowering_platforms=...)`, `jax.export`) holds that
+  platform's implementation, not this process's. One implementation everywhere is called
+  directly."""
+  if len(set(chosen.values())) == 1:
+    return implementations[next(iter(chosen.values()))](*args)
+  return jax.lax.platform_dependent(
+      *args, **{p: implementations[name] for p, name in chosen.items()})
+
+
 # ---- attention -------------------------------------------------------------------------
 
-def resolve_attention(impl: str, backend: str | None = None, sharded: bool = False) -> str:
-  """'auto' -> the compiled kernel on GPU; on CPU the C++ kernel where the CPU kernels run
-  and the operands are not sharded (it sees one device's buffers), else the reference."""
-  if impl not in ATTENTION_IMPLS:
+# The trainer's packed rows (no cache): `auto` among implementations with a backward pass of
+# their own (the CPU self-attention kernel), else the reference, which training
+# differentiates through (a compiled kernel's backward is the reference's).
+TRAINING_AUTO = "auto_training"
+
+
+def resolve_attention(impl: str, platform: str | None = None, sharded: bool = False) -> str:
+  """The implementation `impl` runs as on `platform` (None: this process's default
+  backend): 'auto' -> the Pallas kernel on GPU (cuda, rocm); on CPU the C++ kernel where the
+  CPU kernels run and the operands are not sharded (it sees one device's buffers); the
+  reference elsewhere (TPU) and for `TRAINING_AUTO` off the CPU."""
+  if impl not in ATTENTION_IMPLS + (TRAINING_AUTO,):
     raise ValueError(f"tree attention impl must be one of {', '.join(ATTENTION_IMPLS)}; "
                      f"got {impl!r}")
-  if impl != "auto":
+  if impl not in ("auto", TRAINING_AUTO):
     return impl
-  backend = backend or jax.default_backend()
-  if backend == "gpu":
+  platform = platform or _default_platform()
+  if platform in ("gpu", "cuda", "rocm") and impl == "auto":
     return "pallas"
-  if backend == "cpu" and not sharded and cpu_kernels.enabled(jnp.float32):
+  if platform == "cpu" and not sharded and cpu_kernels.enabled(jnp.float32):
     return "cpu"
   return "reference"
-
-
-def packed_rows_attention_impl(sharded: bool) -> str:
-  """The attention_impl for the trainer's packed rows (no cache): 'auto' where the CPU
-  self-attention kernel takes them (it has a backward pass of its own), else the reference,
-  which training differentiates through (a compiled kernel's backward is the reference's)."""
-  return "auto" if resolve_attention("auto", sharded=sharded) == "cpu" else "reference"
 
 
 def attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, cache_mask: jax.Array,
               k: jax.Array, v: jax.Array, new_mask: jax.Array, *, impl: str = "auto",
               interpret: bool | None = None, sharded: bool = False) -> jax.Array:
-  """`reference_ops.attend` by an implementation; interpret=None interprets Pallas off-GPU
-  only. On CPU, over cpu_attention.MAX_NEW_TOKENS new tokens without a cache (the trainer's
-  packed rows) take the self-attention kernel; with a cache (a prefill) they take the
-  reference; under 'auto', operands a kernel does not take (bfloat16) do too."""
-  chosen = resolve_attention(impl, sharded=sharded)
-  if chosen == "cpu":
-    chosen = _cpu_attention_path(q, cache_k, cache_v, k, v, strict=impl != "auto")
-  if chosen == "self_attention":
-    return IMPLEMENTATIONS["self_attention"]["cpu"](q, k, v, new_mask)
-  if chosen == "reference":
-    return IMPLEMENTATIONS["attention"]["reference"](q, cache_k, cache_v, cache_mask, k, v,
-                                                      new_mask)
-  if interpret is None:
-    interpret = jax.default_backend() != "gpu"
-  return _kernel_with_reference_vjp(q, cache_k, cache_v, cache_mask, k, v, new_mask, chosen,
-                                    interpret)
+  """`reference_ops.attend` by an implementation, chosen for each platform the program is
+  lowered for (`resolve_attention`, `by_platform`); interpret=None compiles Pallas on GPU
+  and TPU and interprets it elsewhere. On CPU, over cpu_attention.MAX_NEW_TOKENS new tokens
+  without a cache (the trainer's packed rows) take the self-attention kernel; with a cache
+  (a prefill) they take the reference; under 'auto', operands a kernel does not take
+  (bfloat16) do too."""
+  args = (q, cache_k, cache_v, cache_mask, k, v, new_mask)
+  chosen = {}
+  for platform in PLATFORMS:
+    chosen[platform] = resolve_attention(impl, platform, sharded)
+    if chosen[platform] == "cpu":
+      chosen[platform] = _cpu_attention_path(q, cache_k, cache_v, k, v,
+                                             strict=impl == "cpu")
+  # Under 'auto' Pallas runs only where it compiles: no interpreted variant to trace.
+  if impl == "auto" and interpret is None:
+    interpret = False
+  implementations = {
+      "reference": IMPLEMENTATIONS["attention"]["reference"],
+      "self_attention": lambda q, cache_k, cache_v, cache_mask, k, v, new_mask:
+          IMPLEMENTATIONS["self_attention"]["cpu"](q, k, v, new_mask),
+      **{name: functools.partial(_kernel_with_reference_vjp, impl=name, interpret=interpret)
+         for name in ("pallas", "triton", "cpu")}}
+  return by_platform(args, chosen, implementations)
 
 
 def _cpu_attention_path(q, cache_k, cache_v, k, v, strict: bool) -> str:
@@ -164,15 +201,6 @@ def _cpu_attention_path(q, cache_k, cache_v, k, v, strict: bool) -> str:
   if many or (not strict and not cpu_attention.supports(q, cache_k, cache_v, k, v)):
     return "reference"
   return "cpu"
-
-
-def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
-                   sharded: bool = False) -> jax.Array:
-  """`reference_ops.self_attention` (packed rows, no cache) by the CPU kernel where it runs
-  and takes the operands, else by the reference."""
-  kernel = (resolve_attention("auto", sharded=sharded) == "cpu"
-            and cpu_self_attention.supports(q, k, v))
-  return IMPLEMENTATIONS["self_attention"]["cpu" if kernel else "reference"](q, k, v, mask)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
@@ -209,5 +237,8 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float, *,
                    sharded: bool = False) -> tuple[jax.Array, jax.Array]:
   """(log-prob of tokens [K], entropy [K]) under log_softmax(logits [K, V] / temperature):
   `reference_ops.token_logprobs` by the CPU kernel where it runs, else by the reference."""
-  impl = "cpu" if cpu_kernels.enabled(logits.dtype) and not sharded else "reference"
-  return IMPLEMENTATIONS["token_logprobs"][impl](logits, tokens, temperature)
+  kernel = cpu_kernels.enabled(logits.dtype) and not sharded
+  chosen = {p: "cpu" if p == "cpu" and kernel else "reference" for p in PLATFORMS}
+  implementations = {name: functools.partial(fn, temperature=temperature)
+                     for name, fn in IMPLEMENTATIONS["token_logprobs"].items()}
+  return by_platform((logits, tokens), chosen, implementations)

@@ -26,8 +26,11 @@ _DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def enabled(dtype) -> bool:
-  """Whether these kernels run for this dtype: float32 on the CPU backend, with the library
-  built (TLT_JAX_CPU_KERNELS)."""
+  """Whether these kernels run for this dtype in the programs this process lowers for the
+  CPU: float32, with the library built (TLT_JAX_CPU_KERNELS), in a process whose default
+  backend is the CPU (a GPU or TPU process lowers its CPU programs with the references and
+  never builds the library). Which platform a program is for is the seam's choice
+  (`tlt_jax.ops.by_platform`)."""
   mode = os.environ.get(ENV, "auto")
   if mode not in MODES:
     raise ValueError(f"{ENV}={mode!r}: must be one of {', '.join(MODES)}")

@@ -201,13 +201,12 @@ def forward_packed(params: Params, config: ModelConfig, tokens: jax.Array,
   sees only its own earlier tokens, positions restart per sample.
 
   The rows attend among themselves alone: an empty cache has no slots to score or write;
-  the seam picks their attention (`ops.packed_rows_attention_impl`)."""
+  the seam picks their attention (`ops.TRAINING_AUTO`)."""
   empty = init_cache(config, tokens.shape[0], 0, params["embed"].dtype)
   x = constrain(embed_tokens(params, tokens), ("batch", None, "act_embed"), rules)
-  impl = ops.packed_rows_attention_impl(spans_devices(rules))
   x, _, _ = run_layers_new_kv(params["layers"], config, x, positions, empty,
                               block_causal_mask(segment_ids), rules,
-                              attention_impl=impl, remat=remat)
+                              attention_impl=ops.TRAINING_AUTO, remat=remat)
   return rms_norm(x, params["final_norm"], config.rms_norm_eps)
 
 

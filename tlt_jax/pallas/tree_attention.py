@@ -23,6 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
 from tlt_jax.reference_ops import MASKED
@@ -129,17 +130,29 @@ def _kernel(q_ref, cache_k_ref, cache_v_ref, cache_mask_ref, k_ref, v_ref, new_m
   o_ref[...] = (acc / row_sum[:, None]).astype(o_ref.dtype)
 
 
+# Each compiling platform's Pallas backend, by its compiler params: Triton for cuda/rocm (jax
+# 0.10's default, Mosaic GPU, cannot lower this kernel's dots), Mosaic for tpu with the
+# grid's three axes independent.
+_TRITON_PARAMS = plgpu.CompilerParams(num_warps=4, num_stages=2)
+_COMPILER_PARAMS = {"cuda": _TRITON_PARAMS, "rocm": _TRITON_PARAMS,
+                    "tpu": pltpu.CompilerParams(dimension_semantics=("parallel",) * 3)}
+
+
 @functools.partial(jax.jit, static_argnames=("block_s", "block_m", "interpret"))
 def tree_attention_pallas(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
                           cache_mask: jax.Array, k: jax.Array, v: jax.Array,
                           new_mask: jax.Array, *, block_s: int = 128, block_m: int = 64,
-                          interpret: bool = False) -> jax.Array:
-  """Pallas tree attention (module doc); `interpret=True` runs it (slowly) on CPU for
-  testing.
+                          interpret: bool | None = None) -> jax.Array:
+  """Pallas tree attention (module doc). interpret: True runs it (slowly) as jnp, for
+  testing on CPU; False compiles it (Triton on cuda/rocm, Mosaic on tpu); None (default)
+  compiles it on those platforms and interprets it elsewhere, per the platform the program
+  is lowered for (`lax.platform_dependent`), not the process's default backend.
 
   block_s keys are scored per loop step, block_m query rows (T x G, padded) per program;
   both are powers of two >= 16. The cache is only copied when S is not a multiple of its
   key block or D not a power of two; bucketed cache lengths and usual head dims avoid it.
+  The new tokens' keys/values are regrouped [B, K, T, D] (a copy of the new tokens only),
+  so every block's last two dims are whole array dims, as Mosaic (TPU) requires.
   """
   b, t, h, d = q.shape
   kh, s = cache_k.shape[1], cache_k.shape[2]
@@ -153,27 +166,41 @@ def tree_attention_pallas(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
   new_block, new_seq = _key_blocks(t, block_s)
 
   pad_cache = lambda x: _pad_axis(_pad_axis(x.astype(q.dtype), 2, cache_seq), 3, dim)
-  pad_new = lambda x: _pad_axis(_pad_axis(x.astype(q.dtype), 1, new_seq), 3, dim)
+  pad_new = lambda x: _pad_axis(_pad_axis(x.astype(q.dtype).transpose(0, 2, 1, 3), 2,
+                                          new_seq), 3, dim)
   squeezed = pl.squeezed
   row_block = pl.BlockSpec((squeezed, squeezed, block_m, dim), lambda i, j, r: (i, j, r, 0))
-  cache_kv_block = pl.BlockSpec((squeezed, squeezed, cache_seq, dim),
-                                lambda i, j, r: (i, j, 0, 0))
-  new_kv_block = pl.BlockSpec((squeezed, new_seq, squeezed, dim), lambda i, j, r: (i, 0, j, 0))
+  kv_block = lambda seq: pl.BlockSpec((squeezed, squeezed, seq, dim),
+                                      lambda i, j, r: (i, j, 0, 0))
   mask_block = lambda seq: pl.BlockSpec((squeezed, block_m, seq), lambda i, j, r: (i, r, 0))
   qg = group_query_rows(q, kh, rows, dim)
-  out = pl.pallas_call(
-      functools.partial(_kernel, cache_len=s, new_len=t, cache_block=cache_block,
-                        new_block=new_block, scale=d ** -0.5),
-      out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
-      grid=(b, kh, rows // block_m),
-      in_specs=[row_block, cache_kv_block, cache_kv_block, mask_block(cache_seq),
-                new_kv_block, new_kv_block, mask_block(new_seq)],
-      out_specs=row_block,
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
-      interpret=interpret,
-      name="tree_attention",
-  )(qg, pad_cache(cache_k), pad_cache(cache_v),
-    group_mask_rows(cache_mask, groups, rows, cache_seq), pad_new(k), pad_new(v),
-    group_mask_rows(new_mask, groups, rows, new_seq))
-  return ungroup_query_rows(out, t, h, d)
+  operands = (qg, pad_cache(cache_k), pad_cache(cache_v),
+              group_mask_rows(cache_mask, groups, rows, cache_seq), pad_new(k), pad_new(v),
+              group_mask_rows(new_mask, groups, rows, new_seq))
 
+  def call(*operands, compiler_params=None, interpret=False):
+    return pl.pallas_call(
+        functools.partial(_kernel, cache_len=s, new_len=t, cache_block=cache_block,
+                          new_block=new_block, scale=d ** -0.5),
+        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        grid=(b, kh, rows // block_m),
+        in_specs=[row_block, kv_block(cache_seq), kv_block(cache_seq),
+                  mask_block(cache_seq), kv_block(new_seq), kv_block(new_seq),
+                  mask_block(new_seq)],
+        out_specs=row_block,
+        compiler_params=compiler_params,
+        interpret=interpret,
+        name="tree_attention",
+    )(*operands)
+
+  if interpret:
+    out = call(*operands, interpret=True)
+  else:
+    # One traced kernel per backend (cuda and rocm share theirs).
+    variants = {id(params): functools.partial(call, compiler_params=params)
+                for params in _COMPILER_PARAMS.values()}
+    compiled = {p: variants[id(params)] for p, params in _COMPILER_PARAMS.items()}
+    out = jax.lax.platform_dependent(
+        *operands, **compiled,
+        default=None if interpret is False else functools.partial(call, interpret=True))
+  return ungroup_query_rows(out, t, h, d)

@@ -27,7 +27,7 @@ from tlt_jax.rl.idle_drafter import IdleDrafter
 from tlt_jax.rl.replicas import Replicas, gather_scored
 from tlt_jax.rl.rollout import GroupRollouts, RolloutSettings, lay_out_for_rollout, sample_groups
 from tlt_jax.rl.scored import ScoredGroups, merge_scored, select
-from tlt_jax.rl.update import (PolicyState, UpdateContext, compiled_programs, score_sequences,
+from tlt_jax.rl.update import (PolicyState, UpdateContext, program_totals, score_sequences,
                                update_policy)
 from tlt_jax.rollout import engine
 from tlt_jax.rollout.sampling import SamplingParams
@@ -102,7 +102,7 @@ class Learner:
   def step(self, step: int) -> dict[str, Any]:
     record: dict[str, Any] = {"step": step}
     start = time.perf_counter()
-    programs_before = engine.compiled_programs() + compiled_programs()
+    programs_before = compile_totals()
 
     scored = self.collect_groups(step, record)                     # rollout + rewards
     if self.idle_drafter is not None:                              # drafter sync + gate
@@ -136,8 +136,7 @@ class Learner:
 
     record.update(self.batch_metrics(scored, group_size))
     record["actor/lr"] = float(self.learning_rate())
-    record["compile/programs"] = engine.compiled_programs() + compiled_programs()
-    record["compile/new_programs"] = record["compile/programs"] - programs_before
+    record.update(compile_metrics(programs_before, compile_totals()))
     record["timing/step_s"] = time.perf_counter() - start
     trained = int(sum(len(p) + len(r) for p, r in zip(batch.prompts, batch.responses)))
     record["perf/tokens_per_s"] = trained / record["timing/step_s"]
@@ -300,6 +299,23 @@ def add_drafter_metrics(record: dict[str, Any], metrics: dict[str, Any]) -> None
   for key, value in metrics.items():
     summed = key.endswith(("_steps", "_s_used", "_s_available"))
     record[key] = record.get(key, 0) + value if summed else value
+
+
+def compile_totals() -> dict[str, int]:
+  """The rollout's and the update's programs so far: built, loaded from the persistent
+  compilation cache, written to it (`CompileCounter.totals`)."""
+  rollout, update = engine.program_totals(), program_totals()
+  return {name: rollout[name] + update[name] for name in rollout}
+
+
+def compile_metrics(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+  """`compile/programs` (built so far), and the step's `compile/new_programs` (built),
+  `compile/cache_hits` (loaded from the persistent compilation cache instead) and
+  `compile/cache_misses` (built and written to it)."""
+  return {"compile/programs": after["programs"],
+          "compile/new_programs": after["programs"] - before["programs"],
+          "compile/cache_hits": after["cache_hits"] - before["cache_hits"],
+          "compile/cache_misses": after["cache_misses"] - before["cache_misses"]}
 
 
 def rollout_stats(stats: dict) -> dict[str, Any]:

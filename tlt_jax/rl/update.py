@@ -124,6 +124,12 @@ def compiled_programs() -> int:
   return _COMPILES.count
 
 
+def program_totals() -> dict[str, int]:
+  """Training programs so far, built and loaded from the persistent compilation cache
+  (`CompileCounter.totals`)."""
+  return _COMPILES.totals()
+
+
 def precompile_training(state: PolicyState, ctx: "UpdateContext") -> int:
   """Compiles, without running them, the programs every update can dispatch: a
   micro-batch's gradient (and, when a step scores without one: the reference with KL on,

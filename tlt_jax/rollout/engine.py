@@ -20,7 +20,7 @@ import functools
 import math
 import time
 import warnings
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -88,6 +88,16 @@ _COMPILES = CompileCounter(_PROGRAMS)
 def compiled_programs() -> int:
   """Programs compiled so far by the engine's jitted entry points (process-wide)."""
   return _COMPILES.count
+
+
+def program_totals() -> dict[str, int]:
+  """The engine's programs so far, built and loaded from the persistent compilation cache
+  (`CompileCounter.totals`)."""
+  return _COMPILES.totals()
+
+
+def _programs_made() -> int:
+  return _COMPILES.count + _COMPILES.loaded
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], batch_size: int,
@@ -237,20 +247,28 @@ def sorted_rows(prompts: Sequence[Sequence[int]], batch: int, prompt_len: int
   return tokens[order], lengths[order], live[order], order
 
 
+def run_program(fn: Callable, args: tuple, kwargs: dict) -> Any:
+  """Runs one of the rollout's programs (a `Rollout.runner`): calls it."""
+  return fn(*args, **kwargs)
+
+
 def prefill(params: Params, tokens: np.ndarray, lengths: np.ndarray, live: np.ndarray,
             caps: np.ndarray, cache: KVCache, key: jax.Array, *, buckets: BucketSpec,
             keep_hidden: bool, rules: MeshRules | None, config: ModelConfig,
+            runner: Callable[[Callable, tuple, dict], Any] = run_program,
             **static) -> decode.DecodeState:
   """Prefills padded prompts whose rows are sorted longest first, group by group
   (`BucketSpec.prefill_groups`), each group padded only to its own longest prompt and
-  running each distinct prompt once (`distinct_prompts`)."""
+  running each distinct prompt once (`distinct_prompts`); `runner` runs each group's
+  program (`Rollout.runner`)."""
   state = decode.empty_state(cache, jnp.asarray(caps), jnp.asarray(live), key,
                              max_new_tokens=static["max_new_tokens"], keep_hidden=keep_hidden,
                              hidden_size=config.hidden_size, rules=rules)
   for group, width, picked, sources in prefill_groups(tokens, lengths, buckets):
-    state = decode.prefill_rows(params, state, jnp.asarray(tokens[group][picked, :width]),
-                                jnp.asarray(lengths[group][picked]), jnp.asarray(sources),
-                                jnp.int32(group.start), config=config, rules=rules, **static)
+    state = runner(decode.prefill_rows,
+                   (params, state, jnp.asarray(tokens[group][picked, :width]),
+                    jnp.asarray(lengths[group][picked]), jnp.asarray(sources),
+                    jnp.int32(group.start)), dict(config=config, rules=rules, **static))
   return state
 
 
@@ -304,11 +322,13 @@ def chunk_reach(longest_live: int, chunk_steps: int, spec: SpecConfig | None) ->
           + speculative.cache_margin(spec.strategies))
 
 
-def windowed_attention(attention_impl: str, rules: MeshRules | None) -> bool:
-  """Whether chunks attend over a window of the cache (copied out and back per chunk). The
-  CPU attention kernel reads only the slots a query sees, where a window only adds the
-  copies (SmolLM2, batch 8: ~2 ms a step)."""
-  return resolve_attention(attention_impl, sharded=spans_devices(rules)) != "cpu"
+def windowed_attention(attention_impl: str, rules: MeshRules | None,
+                       platform: str | None = None) -> bool:
+  """Whether chunks attend over a window of the cache (copied out and back per chunk), on
+  `platform` (None: this process's default backend). The CPU attention kernel reads only
+  the slots a query sees, where a window only adds the copies (SmolLM2, batch 8: ~2 ms a
+  step)."""
+  return resolve_attention(attention_impl, platform, sharded=spans_devices(rules)) != "cpu"
 
 
 def chunk_window(longest_live: int, chunk_steps: int, spec: SpecConfig | None,
@@ -324,10 +344,12 @@ def chunk_window(longest_live: int, chunk_steps: int, spec: SpecConfig | None,
 def switch_to_speculation(inputs: DraftInputs, config: ModelConfig,
                           strategies: tuple[SpecStrategy, ...], state: decode.DecodeState,
                           plan: RolloutPlan, prefill_len: int, keep_hidden: bool,
-                          attention_impl: str, rules: MeshRules | None
+                          attention_impl: str, rules: MeshRules | None,
+                          runner: Callable[[Callable, tuple, dict], Any] = run_program
                           ) -> speculative.SpecState:
   """A fresh drafter cache, prefilled over every live row's context (`state` is donated);
-  prefill_len: `drafter_prefill_len`; keep_hidden: the state's record goes on into SD."""
+  prefill_len: `drafter_prefill_len`; keep_hidden: the state's record goes on into SD;
+  `runner` runs the program (`Rollout.runner`)."""
   draft_cache = init_drafter_cache(config, state.done.shape[0], plan.cache_len,
                                    inputs.params["embed"].dtype, rules,
                                    per_layer=isinstance(inputs.weights.params["layers"], tuple))
@@ -337,10 +359,9 @@ def switch_to_speculation(inputs: DraftInputs, config: ModelConfig,
     # warning about that is expected here. Donating them apart instead crashed XLA's CPU
     # compiler.
     warnings.filterwarnings("ignore", "Some donated buffers were not usable", UserWarning)
-    return speculative.start_speculation(
-        inputs, state, draft_cache, config=config, strategies=strategies,
-        prefill_len=prefill_len, keep_hidden=keep_hidden, attention_impl=attention_impl,
-        rules=rules)
+    return runner(speculative.start_speculation, (inputs, state, draft_cache),
+                  dict(config=config, strategies=strategies, prefill_len=prefill_len,
+                       keep_hidden=keep_hidden, attention_impl=attention_impl, rules=rules))
 
 
 def drafter_prefill_len(longest_live: int, plan: RolloutPlan, buckets: BucketSpec) -> int:
@@ -423,6 +444,13 @@ class Rollout:
   compact: bool
   # Keep the target's hidden state of every position run, through SD, for the outputs.
   capture_hidden: bool = False
+  # The platform the programs are for, where the host lays them out (packed weights,
+  # attention windows); None: this process's default backend. The kernels inside follow
+  # the platform each program is lowered for (`ops.by_platform`).
+  platform: str | None = None
+  # Runs each program, given (jitted function, args, kwargs): `run_program` calls it;
+  # `tlt_jax.rollout.lowering` traces it and lowers it for other platforms instead.
+  runner: Callable[[Callable, tuple, dict], Any] = run_program
   dispatched: set = dataclasses.field(default_factory=set)
 
   @property
@@ -439,7 +467,7 @@ class Rollout:
 
   @property
   def windowed(self) -> bool:
-    return windowed_attention(self.attention_impl, self.rules)
+    return windowed_attention(self.attention_impl, self.rules, self.platform)
 
   @property
   def keep_hidden(self) -> bool:
@@ -455,17 +483,23 @@ class Rollout:
                        self.params["embed"].dtype, self.rules, per_layer=True)
     return prefill(self.params, tokens, lengths, live, caps, cache, key,
                    buckets=self.buckets, keep_hidden=self.keep_hidden,
-                   rules=self.rules, **self.static)
+                   rules=self.rules, runner=self.runner, **self.static)
+
+  def prefill_group(self, state, tokens, lengths, sources, row_start):
+    """One prefill group's program (`decode.prefill_rows`), as `prefill` runs it."""
+    return self.runner(decode.prefill_rows, (self.params, state, tokens, lengths, sources,
+                                             row_start), dict(rules=self.rules, **self.static))
 
   def decode(self, state, window: int | None):
     self.dispatched.add(Program("decode", state.done.shape[0], window))
-    return decode.decode_chunk(self.params, state, chunk_steps=self.chunk_steps,
-                               window=window, rules=self.rules, **self.static)
+    return self.runner(decode.decode_chunk, (self.params, state),
+                       dict(chunk_steps=self.chunk_steps, window=window, rules=self.rules,
+                            **self.static))
 
   def take(self, state, rows: np.ndarray):
     kind = "spec_compact" if isinstance(state, speculative.SpecState) else "compact"
     self.dispatched.add(Program(kind, _base(state).done.shape[0], size=len(rows)))
-    return take_rows(state, jnp.asarray(rows, jnp.int32), self.rules)
+    return self.runner(take_rows, (state, jnp.asarray(rows, jnp.int32)), dict(rules=self.rules))
 
   def switch(self, state, prefill_len: int, pool, picks: hybrid_lib.PickMemory | None):
     """Speculation from a decode state: the drafter prefilled over each row's context
@@ -473,20 +507,21 @@ class Rollout:
     batch = state.done.shape[0]
     self.dispatched.add(Program("switch", batch, size=prefill_len if self.spec.learned else 0))
     if not self.spec.learned:
-      return speculative.start_model_free(state, pool, self.rules)
+      return self.runner(speculative.start_model_free, (state, pool), dict(rules=self.rules))
     state = switch_to_speculation(self.inputs, self.config, self.spec.strategies, state,
                                   self.plan, prefill_len, self.capture_hidden,
-                                  self.attention_impl, self.rules)
+                                  self.attention_impl, self.rules, self.runner)
     if self.spec.model_free:
-      state = speculative.add_model_free(state, pool, picks, self.rules)
+      state = self.runner(speculative.add_model_free, (state, pool),
+                          dict(memory=picks, rules=self.rules))
     return state
 
   def speculate(self, state, strategy: SpecStrategy, window: int | None):
     self.dispatched.add(Program("spec", state.base.done.shape[0], window, strategy))
     drafter = self.spec.drafter(strategy, self.config, self.attention_impl, self.rules)
-    return speculative.spec_chunk(self.params, self.inputs, state, drafter=drafter,
-                                  strategy=strategy, chunk_steps=self.chunk_steps,
-                                  window=window, rules=self.rules, **self.static)
+    return self.runner(speculative.spec_chunk, (self.params, self.inputs, state),
+                       dict(drafter=drafter, strategy=strategy, chunk_steps=self.chunk_steps,
+                            window=window, rules=self.rules, **self.static))
 
   def programs(self) -> list[Program]:
     """Every program this rollout can dispatch, in an order `precompile` can build them:
@@ -526,9 +561,11 @@ def prepare_rollout(params: Params, config: ModelConfig, prompts: Sequence[Seque
                     group_ids: Sequence[int] | None,
                     draft_context: Sequence[Sequence[int]] | None, rules: MeshRules | None,
                     attention_impl: str, buckets: BucketSpec, min_row_tokens: int,
+                    platform: str | None = None,
                     **settings) -> tuple[Rollout, list[int], list[list[int]]]:
   """Checks a rollout's arguments, places its weights and plans it: the `Rollout`, and the
-  model-free drafter's groups and extra draft text (`draft_groups`)."""
+  model-free drafter's groups and extra draft text (`draft_groups`). platform: the one its
+  programs are for (`Rollout.platform`)."""
   check_attention_impl(attention_impl)
   if spec is not None:
     spec.check_weights(drafter)
@@ -536,9 +573,9 @@ def prepare_rollout(params: Params, config: ModelConfig, prompts: Sequence[Seque
     raise UserInputError("drafter weights given without a SpecConfig (speculation is off)")
   plan = plan_rollout(prompts, max_new_tokens, config, buckets, spec, eos_ids, min_row_tokens)
   groups, extras = draft_groups(prompts, group_ids, draft_context, spec, config.vocab_size)
-  params, drafter = place_rollout(params, config, drafter, rules)
+  params, drafter = place_rollout(params, config, drafter, rules, platform)
   return Rollout(params, config, plan, spec, drafter, buckets=buckets, rules=rules,
-                 attention_impl=attention_impl, **settings), groups, extras
+                 attention_impl=attention_impl, platform=platform, **settings), groups, extras
 
 
 class _Loop:
@@ -571,8 +608,8 @@ class _Loop:
                                isinstance(state, speculative.SpecState)))
     if self.played is not None:
       played_rows, strategy, began, programs = self.played
-      # A chunk that compiled a program measured the compiler, not the strategy.
-      if compiled_programs() == programs and now > began:
+      # A chunk that compiled (or loaded) a program measured that, not the strategy.
+      if _programs_made() == programs and now > began:
         self.memory.bandit.record(played_rows, strategy, self.emitted / (now - began))
       self.played = None
     return live_rows, longest_live
@@ -627,7 +664,7 @@ class _Loop:
       # The timer starts once compaction and the drafter prefill are done, so a reward
       # measures only the chunk it is given to.
       jax.block_until_ready(state)
-      self.played = (live_rows, strategy, time.perf_counter(), compiled_programs())
+      self.played = (live_rows, strategy, time.perf_counter(), _programs_made())
     self.strategy_chunks[strategy.name] += 1
     return rollout.speculate(state, strategy, chunk_window(
         longest_live, rollout.chunk_steps, spec, rollout.plan, rollout.buckets,
@@ -679,7 +716,7 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
   caps = np.ones((plan.batch,), np.int32)
   caps[:len(prompts)] = plan.caps
   memory = memory or (SpecMemory(spec) if spec is not None else None)
-  programs_before = compiled_programs()
+  programs_before = program_totals()
   loop = _Loop(rollout, prompts, groups, extras, np.where(live, order, -1), memory)
   state = rollout.prefill(tokens, lengths, live, caps[order], jax.random.key(seed))
   while (view := loop.observe(state))[0]:
@@ -696,7 +733,7 @@ def _outputs(harvest: _Harvest, plan: RolloutPlan) -> list[GenerationOutput]:
           for ids, logprobs, hidden in zip(harvest.tokens, harvest.logprobs, harvest.hidden)]
 
 
-def _stats(loop: _Loop, programs_before: int) -> dict:
+def _stats(loop: _Loop, programs_before: dict[str, int]) -> dict:
   rollout, harvest, plan = loop.rollout, loop.harvest, loop.rollout.plan
   generated = sum(len(ids) for ids in harvest.tokens)
   total_s = loop.total_s
@@ -711,7 +748,8 @@ def _stats(loop: _Loop, programs_before: int) -> dict:
       "rollout/tail_s": tail_seconds(loop.trace, len(loop.prompts)),
       "rollout/batch_buckets": loop.buckets_used,
       "compile/programs": compiled_programs(),
-      "compile/new_programs": compiled_programs() - programs_before,
+      "compile/new_programs": compiled_programs() - programs_before["programs"],
+      "compile/cache_hits": program_totals()["cache_hits"] - programs_before["cache_hits"],
       # Programs run that `Rollout.programs` does not list (so `precompile` would miss).
       "compile/unlisted": sorted(map(str, rollout.dispatched - set(rollout.programs()))),
       "decode_chunks/plain": loop.plain_chunks,

@@ -49,16 +49,18 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
       attention_impl=attention_impl, buckets=buckets, min_row_tokens=min_row_tokens,
       sampling=sampling, chunk_steps=chunk_steps, compact=compact,
       capture_hidden=capture_hidden)
-  builder = _Builder(rollout, len(prompts), groups, extras)
+  builder = ProgramBuilder(rollout, len(prompts), groups, extras)
   for program in rollout.programs():
     builder.build(program)
   jax.block_until_ready(builder.states)
   return compiled_programs() - before
 
 
-class _Builder:
+class ProgramBuilder:
   """Runs each listed program once on a state of its batch, all rows finished; each kind's
-  programs come after those that make its input states (`Rollout.programs`' order)."""
+  programs come after those that make its input states (`Rollout.programs`' order). The
+  rollout's runner runs them: compiled and run here, or traced and lowered for another
+  platform (`tlt_jax.rollout.lowering`, whose states are then shapes, not arrays)."""
 
   def __init__(self, rollout: Rollout, num_prompts: int, groups, extras):
     self.rollout, self.num_prompts = rollout, num_prompts
@@ -80,10 +82,9 @@ class _Builder:
         keep_hidden=rollout.keep_hidden,
         hidden_size=rollout.config.hidden_size, rules=rollout.rules)
     for count in [plan.prefill_prompts[0]] + sorted(set(plan.prefill_prompts[1:])):
-      state = decode.prefill_rows(
-          rollout.params, state, jnp.zeros((count, width), jnp.int32),
-          jnp.ones((count,), jnp.int32), jnp.zeros((group_rows,), jnp.int32), jnp.int32(0),
-          rules=rollout.rules, **rollout.static)
+      state = rollout.prefill_group(
+          state, jnp.zeros((count, width), jnp.int32), jnp.ones((count,), jnp.int32),
+          jnp.zeros((group_rows,), jnp.int32), jnp.int32(0))
     self.states["decode", batch] = state
 
   def _compact(self, program: Program, kind: str = "decode") -> None:
@@ -101,7 +102,8 @@ class _Builder:
     pool = None if not rollout.spec.model_free else draft_pool(
         [[0]] * self.num_prompts, self.groups, self.extras, np.full((program.batch,), -1),
         rollout.plan)
-    source = jax.tree.map(jnp.copy, self.states["decode", program.batch])
+    source = jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x,
+                          self.states["decode", program.batch])
     self.states["spec", program.batch] = rollout.switch(source, program.size, pool, None)
 
   def _spec_compact(self, program: Program) -> None:

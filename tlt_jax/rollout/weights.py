@@ -136,15 +136,18 @@ def rollout_drafter(drafter: DrafterParams) -> DrafterParams:
 
 
 def place_rollout(params: Params, config: ModelConfig, drafter: DraftWeights | None,
-                  rules: MeshRules | None) -> tuple[Params, DraftWeights | None]:
-  """The params in the rollout's layout (`rollout_layout`), and the drafter, laid out on the
-  replica's mesh by the rules (tensor-parallel over heads, batch over the data axis); the
-  same rules place every cache and constrain every activation of the rollout's programs."""
+                  rules: MeshRules | None, platform: str | None = None
+                  ) -> tuple[Params, DraftWeights | None]:
+  """The params in the rollout's layout (`rollout_layout`) for programs on `platform` (None:
+  this process's default backend), and the drafter, laid out on the replica's mesh by the
+  rules (tensor-parallel over heads, batch over the data axis); the same rules place every
+  cache and constrain every activation of the rollout's programs."""
   # The CPU kernels' packed weights are one device's buffers: they run without a mesh or on
   # a one-device one (the CPU trainer's), where every array is whole; a replica split over
   # devices keeps plain weights.
   one_device = not spans_devices(rules)
-  params = rollout_layout(params, pack_weights=None if one_device else False)
+  params = rollout_layout(params, pack_weights=one_device and ops.packs_weights(
+      params["embed"].dtype, platform))
   if one_device and rules is not None:
     params = jax.device_put(params, NamedSharding(rules.mesh, PartitionSpec()))
   else:
