@@ -10,6 +10,7 @@ from tlt_jax.models import drafter as drafter_lib
 from tlt_jax.models import transformer
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.kv_cache import init_cache
+from tlt_jax.rl.rollout import RolloutSettings, concat_rollouts, sample_groups
 from tlt_jax.rollout.bandit import BanditConfig, parse_strategies
 from tlt_jax.rollout.buckets import BucketSpec
 from tlt_jax.rollout.engine import generate
@@ -118,3 +119,20 @@ def test_captured_hidden_states_match_a_plain_forward(kind, temperature):
     assert got.hidden_states.dtype == np.float32
     np.testing.assert_allclose(got.hidden_states, reference_row[:len(sequence) - 1],
                                atol=1e-4, rtol=0)
+
+
+def test_group_rollouts_carry_each_rows_hidden_states():
+  """The RL rollout stage hands the states on per row, and its group selections keep them
+  with their rows."""
+  settings = RolloutSettings(group_size=2, max_new_tokens=4,
+                             sampling=SamplingParams(temperature=1.0), eos_ids=(),
+                             buckets=BUCKETS, capture_hidden=True)
+  groups = sample_groups(PARAMS, CONFIG, PROMPTS[:2], settings, seed=0)
+  assert [h.shape for h in groups.hidden_states] == [
+      (len(p) + len(r) - 1, CONFIG.hidden_size) for p, r in zip(groups.prompts,
+                                                                  groups.responses)]
+  swapped = concat_rollouts([groups.select_groups([1], 2), groups.select_groups([0], 2)])
+  assert swapped.prompts == groups.prompts[2:] + groups.prompts[:2]
+  moved = groups.hidden_states[2:] + groups.hidden_states[:2]
+  for got, want in zip(swapped.hidden_states, moved):
+    np.testing.assert_array_equal(got, want)
