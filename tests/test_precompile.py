@@ -1,6 +1,7 @@
 """precompile builds the whole program pool: the rollouts that follow compile nothing, even
 when a bandit tries strategies it has never played and compaction skips buckets; and every
-program a rollout runs is one `Rollout.programs` lists (`compile/unlisted`).
+program a rollout runs is one `Rollout.programs` lists (`compile/unlisted`), with
+hidden-state capture on and off.
 
 The rollout check runs in its own Python process: tens of extra programs compiled inside
 the shared pytest process preceded an XLA CPU compiler segfault later in the suite."""
@@ -24,8 +25,10 @@ def test_attention_windows_cover_every_window_the_engine_picks():
       assert BUCKETS.attention_windows(low, cache_len) == want
 
 
-def check_rollouts_after_precompile_compile_nothing(spec_kind: str) -> None:
-  """The check itself; `test_rollouts_after_precompile_compile_nothing` runs it apart."""
+def check_rollouts_after_precompile_compile_nothing(spec_kind: str,
+                                                    capture_hidden: bool = False) -> None:
+  """The check itself; `test_rollouts_after_precompile_compile_nothing` runs it apart.
+  capture_hidden: the rollouts hand back hidden states (programs of their own)."""
   import jax
   import numpy as np
 
@@ -82,7 +85,8 @@ def check_rollouts_after_precompile_compile_nothing(spec_kind: str) -> None:
     drafter = DraftWeights(drafter_lib.init_drafter_params(config, jax.random.key(1)))
   kwargs = dict(max_new_tokens=[60, 5, 40, 9, 2, 33, 12, 60, 20],
                 sampling=SamplingParams(temperature=0.0), eos_ids=(7,), buckets=BUCKETS,
-                chunk_steps=3, spec=spec, drafter=drafter, **model_free)
+                chunk_steps=3, spec=spec, drafter=drafter, capture_hidden=capture_hidden,
+                **model_free)
   # What SD learns (the bandit's rewards) carries over the rollouts below, as in a run.
   memory = None if spec is None else SpecMemory(spec)
   prompts = prompts_of((5, 9, 3, 12, 7, 4, 6, 8, 10), seed=0)
@@ -104,6 +108,7 @@ def check_rollouts_after_precompile_compile_nothing(spec_kind: str) -> None:
     # Every program the rollout ran is one `Rollout.programs` lists (so precompile built it).
     assert result.stats["compile/unlisted"] == [], (seed, result.stats["compile/unlisted"])
     assert len(result.stats["rollout/batch_buckets"]) >= 2       # compaction happened
+    assert all((out.hidden_states is not None) == capture_hidden for out in result.outputs)
     if use_spec:
       assert result.stats["spec/verify_steps"] > 0
       strategies_played.update(result.stats["spec/strategy_chunks"])
@@ -111,10 +116,12 @@ def check_rollouts_after_precompile_compile_nothing(spec_kind: str) -> None:
     assert strategies_played == set(pool.split(","))
 
 
-@pytest.mark.parametrize("spec_kind", ["none", "learned", "ngram", "hybrid", "mixed"])
-def test_rollouts_after_precompile_compile_nothing(spec_kind):
+@pytest.mark.parametrize("spec_kind,capture_hidden", [
+    ("none", False), ("learned", False), ("ngram", False), ("hybrid", False), ("mixed", False),
+    ("none", True), ("learned", True), ("ngram", True), ("mixed", True)])
+def test_rollouts_after_precompile_compile_nothing(spec_kind, capture_hidden):
   code = ("from tests.test_precompile import check_rollouts_after_precompile_compile_nothing "
-          f"as check; check({spec_kind!r})")
+          f"as check; check({spec_kind!r}, {capture_hidden!r})")
   env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
   proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
                         text=True, timeout=900)
