@@ -35,7 +35,7 @@ def test_the_first_replica_trains_the_drafter_while_the_straggler_decodes(
   assert record["drafter/train_steps"] > 0, record
   used, available = record["drafter/idle_device_s_used"], record[
       "drafter/idle_device_s_available"]
-  assert available >= 4.0 and 0 < used <= available, record
+  assert available >= 2.0 and 0 < used <= available, record
   starts = [start for start, _ in record["drafter/train_spans"]]
   assert starts == sorted(starts) and starts[-1] < available   # every step began before
   # A stop waits for the drafter step in flight at most (the steps were compiled up front).

@@ -123,11 +123,14 @@ class SpotTrainer:
     hidden = np.zeros(rows.tokens.shape + (self.model_config.hidden_size,),
                       target_params["embed"].dtype)
     # The arguments exactly as `online.train_steps` passes them: a static argument left to
-    # its default is another cache key than the same value passed.
-    online.guarded_step(_copy(self.state), target_params, rows, hidden,
-                        self.deployed.vocab_ids, config=self.model_config,
-                        optimizer=self.optimizer, ce_weight=CE_WEIGHT,
-                        unroll=self.config.unroll)
+    # its default is another cache key than the same value passed. Twice: a step's own
+    # output state (committed to its device) is another key than a fresh or synced one.
+    state = _copy(self.state)
+    for _ in range(2):
+      state, _ = online.guarded_step(state, target_params, rows, hidden,
+                                     self.deployed.vocab_ids, config=self.model_config,
+                                     optimizer=self.optimizer, ce_weight=CE_WEIGHT,
+                                     unroll=self.config.unroll)
     gate_lib.heldout_levels(self.deployed.params, target_params, [(rows, hidden)],
                             self.deployed.vocab_ids, config=self.model_config,
                             greedy=self.config.greedy, depth=self.config.unroll)
