@@ -114,6 +114,7 @@ def main(argv):
     return time.perf_counter() - start, result
 
   report = {"model": f"{_MODEL.value} (fp32)", "rows": _ROWS.value,
+            "loadavg_1m": {"before": os.getloadavg()[0]},
             "caps": {"pareto_alpha": _CAP_ALPHA.value, "min": _CAP_MIN.value,
                      "p50": int(np.median(caps)), "max": int(caps.max())},
             "strategy": _STRATEGY.value, "sd_threshold": _THRESHOLD.value,
@@ -142,6 +143,7 @@ def main(argv):
                                        for _, r in off + on)}
     log(str(entry))
     report["settings"].append(entry)
+  report["loadavg_1m"]["after"] = os.getloadavg()[0]
   emit(report, _OUTPUT.value)
 
 
