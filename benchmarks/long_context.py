@@ -187,7 +187,7 @@ def _measure_switch_prefill(params, config, spec, weights, cache_length: int) ->
     start = time.perf_counter()
     jax.block_until_ready(engine.switch_to_speculation(
         DraftInputs(params, weights, None), config, spec.strategies, state, plan, prefill_len,
-        _ATTENTION.value, None))
+        False, _ATTENTION.value, None))
     switch_s.append(time.perf_counter() - start)
   target, switch = statistics.median(target_s[1:]), statistics.median(switch_s[1:])
   return {"rows": rows, "context": context, "prefill_len": prefill_len,

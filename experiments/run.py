@@ -94,6 +94,7 @@ def train(processes) -> None:
   if _EXPORT_HF.value:
     cli.check_output_dir(_EXPORT_HF.value, "--export_hf")
   checkpoints = RunCheckpoints(os.path.join(run_dir, "checkpoints"), keep=_KEEP.value)
+  processes.settle_before_exit("the checkpoint in flight", checkpoints.wait)
   resume_step = checkpoints.latest_step() if _RESUME.value == "auto" else None
   if _RESUME.value == "never" and checkpoints.latest_step() is not None:
     raise UserInputError(f"--run_dir={run_dir}: has checkpoints (latest step "

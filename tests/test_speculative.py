@@ -545,7 +545,7 @@ def _speculating(params, drafter, config, spec, prompts, max_new_tokens, samplin
   prefill_len = engine.drafter_prefill_len(int(lengths.max()), plan, buckets)
   state = engine.switch_to_speculation(_inputs(params, drafter, config), config,
                                        spec.strategies, state, plan, prefill_len,
-                                       "reference", None)
+                                       False, "reference", None)
   return state, static
 
 

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Callable
 
 from tlt_jax.errors import UserInputError
 
@@ -50,6 +51,7 @@ class ProcessPlan:
   process_id: int | None = None
   cluster: str = "none"            # "auto": JAX's environment detection
   exit_timeout_s: float = 60.0     # how long process 0 waits for children at the end
+  settle_timeout_s: float = 120.0  # how long a failed run waits for work in flight
 
   @property
   def explicit(self) -> bool:
@@ -120,6 +122,7 @@ class Processes:
     self._children: list[tuple[int, subprocess.Popen, int]] = []   # (replica, proc, fd)
     self._ending = threading.Event()
     self._failed = threading.Lock()
+    self._settle: list[tuple[str, Callable[[], None]]] = []
 
   @property
   def primary(self) -> bool:
@@ -191,9 +194,14 @@ class Processes:
       self.fail(line.decode().strip() or "replica 0 (the launcher) ended before the run did")
     threading.Thread(target=watch, daemon=True, name="watch-launcher").start()
 
+  def settle_before_exit(self, what: str, settle: Callable[[], None]) -> None:
+    """`settle()` runs (bounded by `plan.settle_timeout_s`) before a failed run exits, so
+    work in flight (a checkpoint being written) is not cut short."""
+    self._settle.append((what, settle))
+
   def fail(self, reason: str) -> None:
-    """Reports a dead replica in one line and leaves now (from any thread): the first
-    report wins; the others of this process wait for the exit."""
+    """Reports a dead replica in one line, settles, and leaves (from any thread): the
+    first report wins; the others of this process wait for the exit."""
     if not self._failed.acquire(blocking=False):
       time.sleep(3600)
     for _, proc, fd in self._children:
@@ -204,6 +212,13 @@ class Processes:
           pass
     print(f"error: {reason}; ending the run (replica {self.index} of {self.count})",
           file=sys.stderr, flush=True)
+    for what, settle in self._settle:
+      worker = threading.Thread(target=settle, daemon=True, name=f"settle-{what}")
+      worker.start()
+      worker.join(self.plan.settle_timeout_s)
+      if worker.is_alive():
+        print(f"warning: {what} did not finish within {self.plan.settle_timeout_s:.0f} s; "
+              "left as it is", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(EXIT_REPLICA_FAILED)
 
