@@ -158,6 +158,23 @@ class Run:
   def checkpoint_meta(self, history: list) -> dict[str, Any]:
     return {**self.learner.host_state(), "history": history, "flags": run_flags()}
 
+  def save(self, checkpoints, step: int, history: list) -> None:
+    """Starts the run checkpoint of `step` (`rl.checkpointing.RunCheckpoints`); the online
+    drafter's own checkpoint of `step` is on disk on every replica first, so every run
+    checkpoint can resume its drafter."""
+    if self.learner.idle_drafter is not None:
+      self.learner.idle_drafter.save(step)
+    checkpoints.save(step, self.learner.state, self.checkpoint_meta(history))
+
+  def resume(self, checkpoints, step: int) -> list:
+    """Continues from the checkpoint of `step`; returns its metrics history."""
+    state, meta = checkpoints.restore(step, self.learner.state)
+    self.check_resumable(meta)
+    self.learner.restore(state, meta)
+    if self.learner.idle_drafter is not None:
+      self.learner.idle_drafter.restore(step)
+    return meta["history"]
+
   def check_resumable(self, meta: dict[str, Any]) -> None:
     saved, now = meta.get("flags", {}), run_flags()
     for name in sorted(saved.keys() | now.keys()):
@@ -249,18 +266,23 @@ def spot_from_flags(spec, algo: dict, replicas):
   return spot
 
 
-def idle_drafter(spot, model_config, drafter, replicas):
-  """The learner's online drafter (`rl.idle_drafter.IdleDrafter`), or None without one."""
+def idle_drafter(spot, model_config, drafter, replicas, run_dir: str | None):
+  """The learner's online drafter (`rl.idle_drafter.IdleDrafter`), or None without one;
+  each replica checkpoints it under RUN_DIR/drafter/replica_R."""
   if spot is None:
     return None
   from tlt_jax.distributed.control import ReplicaControl
   from tlt_jax.distributed.kv_store import KeyValueStore
+  from tlt_jax.drafter.checkpoints import DrafterCheckpoints
   from tlt_jax.rl.idle_drafter import AllProcesses, IdleDrafter
   from tlt_jax.rl.spot_trainer import SpotTrainer
 
   trainer = SpotTrainer(spot, model_config, drafter, AllProcesses())
   control = ReplicaControl(KeyValueStore(), replicas.count, replicas.index)
-  return IdleDrafter(trainer, control, extra_tail_s=straggler_seconds(replicas.index))
+  checkpoints = None if run_dir is None else DrafterCheckpoints(
+      os.path.join(run_dir, "drafter", f"replica_{replicas.index}"))
+  return IdleDrafter(trainer, control, extra_tail_s=straggler_seconds(replicas.index),
+                     checkpoints=checkpoints)
 
 
 STRAGGLER_ENV = "TLT_JAX_STRAGGLER"   # "REPLICA:SECONDS": that replica's tail runs longer
@@ -279,9 +301,10 @@ def straggler_seconds(replica: int) -> float:
     raise UserInputError(f"{STRAGGLER_ENV}={value!r}: expected REPLICA:SECONDS") from None
 
 
-def build_run(total_steps: int, replicas=None) -> Run:
+def build_run(total_steps: int, replicas=None, run_dir: str | None = None) -> Run:
   """Checks every flag, then loads the model, data, drafter and reward workers; `replicas`
-  (`rl.replicas.Replicas`, default one): this process's rollout replica of the job's."""
+  (`rl.replicas.Replicas`, default one): this process's rollout replica of the job's;
+  `run_dir`: where checkpoints go (None: the run is not checkpointed)."""
   import jax
   import jax.numpy as jnp
 
@@ -375,7 +398,7 @@ def build_run(total_steps: int, replicas=None) -> Run:
                                            seed=_SEED.value),
                     update=context, rewards=rewards, drafter=drafter,
                     between_phases=host.return_free_heap, replicas=replicas,
-                    idle_drafter=idle_drafter(spot, model.config, drafter, replicas))
+                    idle_drafter=idle_drafter(spot, model.config, drafter, replicas, run_dir))
   if learner.idle_drafter is not None:
     print("compiling the online drafter's train and gate steps ...", file=sys.stderr)
     learner.idle_drafter.spot.warm_up(learner.rollout_params)

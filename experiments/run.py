@@ -104,13 +104,10 @@ def train(processes) -> None:
     print(f"{run_dir}: already at step {resume_step} of {_STEPS.value}", file=sys.stderr)
 
   run = build_run(total_steps=_STEPS.value,          # every flag checked, model and data loaded
-                  replicas=Replicas(processes.index, processes.count))
+                  replicas=Replicas(processes.index, processes.count), run_dir=run_dir)
   history: list = []
   if resume_step is not None:
-    state, meta = checkpoints.restore(resume_step, run.learner.state)
-    run.check_resumable(meta)
-    run.learner.restore(state, meta)
-    history = meta["history"]
+    history = run.resume(checkpoints, resume_step)
     if primary:
       print(f"resumed {run_dir} at step {resume_step}", file=sys.stderr)
   run.precompile()
@@ -159,7 +156,7 @@ def train_steps(run, checkpoints, log, first: int, process: int) -> None:
     if step % _CHECKPOINT_EVERY.value == 0 or step == _STEPS.value:
       start = time.perf_counter()
       history = log.history if log is not None else []
-      checkpoints.save(step, learner.state, run.checkpoint_meta(history + [record]))
+      run.save(checkpoints, step, history + [record])
       maybe_die("save", step, process=process)
       record["timing/checkpoint_s"] = time.perf_counter() - start
     write(record)

@@ -3,7 +3,8 @@ tiny model. Replica 1 is made the straggler (TLT_JAX_STRAGGLER), so replica 0 fi
 first and trains the drafter while replica 1 is still busy; at the step end both hold the
 same drafter bits, and the deploy gate has scored deployed and candidate drafters. SD
 stays off in the rollout (its threshold is never met): the drafter trains from the hidden
-states of plain decoding, and the run compiles few programs."""
+states of plain decoding, and the run compiles few programs. A resumed run continues each
+replica's drafter checkpoint."""
 from __future__ import annotations
 
 import json
@@ -45,6 +46,18 @@ def test_the_first_replica_trains_the_drafter_while_the_straggler_decodes(
   assert record["drafter/heldout_accept_candidate"] >= 0 and record["drafter/deployed"] in (0, 1)
   # The buffer holds both steps' responses.
   assert record["drafter/buffer_bytes"] > records[0]["drafter/buffer_bytes"] > 0
+
+  # Resume: each replica continues its own drafter checkpoint of step 2 (the candidate's
+  # optimizer step count goes on from step 2's instead of starting over).
+  for replica in (0, 1):
+    assert os.listdir(os.path.join(run_dir, "drafter", f"replica_{replica}")) == [
+        "step_00000002"]
+  proc = run_cli(run_dir, tiny_hf_dirs["qwen2"], "--steps=3", "--resume=auto",
+                 f"--drafter={drafter_dir}", *ONLINE, env_extra={"TLT_JAX_STRAGGLER": "1:5.0"})
+  assert "resumed" in proc.stderr
+  resumed = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][-1]
+  assert resumed["step"] == 3 and resumed["drafter/replicas_identical"] == 1
+  assert resumed["drafter/candidate_steps"] >= record["drafter/candidate_steps"] > 0
 
 
 def test_online_drafter_flags_are_checked_before_loading(tiny_hf_dirs, tmp_path):

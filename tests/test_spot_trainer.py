@@ -98,3 +98,58 @@ def test_on_decay_trains_only_after_the_accept_length_drops():
 def test_bad_train_mode_is_one_line():
   with pytest.raises(UserInputError, match="--drafter_train='sometimes'"):
     spot_trainer.SpotConfig(train="sometimes")
+
+
+def test_a_drafter_step_that_raises_keeps_the_last_synced_drafter(target, monkeypatch):
+  spot = _trainer()
+  spot.observe(1, _rollout(target, 1, 16))
+  spot.train_while_idle(1, target, iter([False] * 3 + [True]).__next__)
+  assert spot.sync(3)
+  synced = jax.tree.map(np.array, jax.device_get(spot.state))
+  real, calls = spot_trainer.online.guarded_step, []
+
+  def fails_on_the_third(*args, **kwargs):
+    calls.append(0)
+    if len(calls) == 3:
+      raise RuntimeError("RESOURCE_EXHAUSTED: out of memory\nmore detail")
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(spot_trainer.online, "guarded_step", fails_on_the_third)
+  report = spot.train_while_idle(1, target, lambda: False)
+  assert report.error == "RuntimeError: RESOURCE_EXHAUSTED: out of memory"
+  assert report.steps == 0                  # the round counts as untrained in the sync
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(spot.state), synced)
+  monkeypatch.setattr(spot_trainer.online, "guarded_step", real)
+  again = spot.train_while_idle(1, target, iter([False] * 2 + [True]).__next__)
+  assert again.error is None and again.steps == 2     # and training goes on from it
+
+
+def test_idle_drafter_checkpoint_resumes_drafter_optimizer_buffer_and_watch(target, tmp_path):
+  from tlt_jax.drafter.checkpoints import DrafterCheckpoints
+  from tlt_jax.rl.idle_drafter import IdleDrafter
+
+  def idle(spot):
+    return IdleDrafter(spot, control=None, checkpoints=DrafterCheckpoints(str(tmp_path)))
+
+  saved = idle(_trainer(train="on_decay"))
+  saved.spot.observe(1, _rollout(target, 1, 16))
+  saved.spot.train_while_idle(1, target, iter([False] * 4 + [True]).__next__)
+  saved.spot.sync(4)
+  saved.spot.gate(target)
+  saved.spot.wants_training(2.5)
+  saved.accept_len = 2.5
+  saved.save(1)
+
+  resumed = idle(_trainer(train="on_decay"))
+  resumed.restore(1)
+  for a, b in ((saved.spot.state, resumed.spot.state),
+               (saved.spot.deployed.params, resumed.spot.deployed.params)):
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(a), jax.device_get(b))
+  assert int(resumed.spot.state.step) == 4
+  assert resumed.spot.buffer.stats() == saved.spot.buffer.stats()
+  assert resumed.spot.host_state() == saved.spot.host_state() and resumed.accept_len == 2.5
+  # Both go on alike: the next drafter step from each gives the same state.
+  for side in (saved, resumed):
+    side.spot.train_while_idle(2, target, iter([False, True]).__next__)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(saved.spot.state),
+               jax.device_get(resumed.spot.state))

@@ -1,8 +1,9 @@
 """The drafter's checkpoints during RL: its trainable params, optimizer state and online
 buffer, written asynchronously and atomically.
 
-Layout: DIR/step_00000012/ holds state.npz (the TrainState's leaves by tree path: params,
-optimizer state, step), buffer.npz + buffer.json (the online buffer, when given) and
+Layout: DIR/step_00000012/ holds state.npz (the saved pytree's leaves by tree path: a
+TrainState's params, optimizer state and step, or the RL spot trainer's candidate state and
+deployed drafter), buffer.npz + buffer.json (the online buffer, when given) and
 meta.json (the step, what was saved, and the caller's JSON: e.g. the deploy gate's figures
 or the bandit). The target's embedding and head, which the drafter only borrows, are not
 saved: the run checkpoint has the policy.
@@ -35,7 +36,6 @@ import numpy as np
 
 from tlt_jax.drafter import buffer as buffer_lib
 from tlt_jax.drafter.array_file import read_arrays, write_arrays
-from tlt_jax.drafter.trainer import TrainState
 from tlt_jax.errors import UserInputError
 from tlt_jax.files import atomic_dir, write_atomic
 
@@ -72,7 +72,7 @@ class DrafterCheckpoints:
   def latest_step(self) -> int | None:
     return (self.steps() or [None])[-1]
 
-  def save(self, step: int, state: TrainState, buffer: buffer_lib.OnlineBuffer | None = None,
+  def save(self, step: int, state: Any, buffer: buffer_lib.OnlineBuffer | None = None,
            meta: dict[str, Any] | None = None) -> None:
     """Starts saving `step` (after the save before it has finished); returns once the
     state is on the host."""
@@ -109,10 +109,11 @@ class DrafterCheckpoints:
   def __exit__(self, *exc) -> None:
     self.close()
 
-  def restore(self, template: TrainState, buffer: buffer_lib.OnlineBuffer | None = None,
-              step: int | None = None) -> tuple[TrainState, dict[str, Any]]:
-    """(the TrainState shaped and placed like `template`, the caller's meta) of `step`
-    (default: the latest); `buffer`, when given, is loaded with the saved one."""
+  def restore(self, template: Any, buffer: buffer_lib.OnlineBuffer | None = None,
+              step: int | None = None) -> tuple[Any, dict[str, Any]]:
+    """(the state (a pytree, e.g. a TrainState) shaped and placed like `template`, the
+    caller's meta) of `step` (default: the latest); `buffer`, when given, is loaded with the
+    saved one."""
     step = self.latest_step() if step is None else step
     if step is None or step not in self.steps():
       raise UserInputError(f"{self.directory}: no drafter checkpoint"
@@ -129,7 +130,7 @@ class DrafterCheckpoints:
   def _path(self, step: int) -> str:
     return os.path.join(self.directory, f"step_{step:08d}")
 
-  def _write(self, step: int, host_state: TrainState, snapshot, info: dict[str, Any]) -> None:
+  def _write(self, step: int, host_state: Any, snapshot, info: dict[str, Any]) -> None:
     try:
       with atomic_dir(self._path(step), overwrite=True) as tmp:
         write_arrays(os.path.join(tmp, STATE_FILE), _state_arrays(host_state))
@@ -142,13 +143,12 @@ class DrafterCheckpoints:
       self._failure = (step, e)
 
 
-def _state_arrays(state: TrainState) -> dict[str, np.ndarray]:
+def _state_arrays(state: Any) -> dict[str, np.ndarray]:
   return {jax.tree_util.keystr(path): leaf
           for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]}
 
 
-def _state_from_arrays(arrays: dict[str, np.ndarray], template: TrainState, path: str
-                       ) -> TrainState:
+def _state_from_arrays(arrays: dict[str, np.ndarray], template: Any, path: str) -> Any:
   """Leaves by tree path into `template`'s structure, dtypes checked, placed like it."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(template)
   wanted = {jax.tree_util.keystr(p): leaf for p, leaf in flat}

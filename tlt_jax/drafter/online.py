@@ -45,6 +45,15 @@ class StepsReport:
   stop_seen: float | None     # time.perf_counter when the stop was seen; None if not stopped
   previous_slots: int         # trained slots drawn from the previous step's windows
   current_slots: int          # ... and from the current step's
+  error: str | None = None    # a step raised: every step of the call is discarded
+
+  @classmethod
+  def failed(cls, began: float, error: BaseException) -> "StepsReport":
+    """The report of a call a drafter step raised in (its state is lost: donated)."""
+    first = (str(error).strip().splitlines() or [""])[0][:300]
+    return cls(steps=0, discarded=0, mean_loss=float("nan"),
+               seconds=time.perf_counter() - began, spans=(), stop_seen=None,
+               previous_slots=0, current_slots=0, error=f"{type(error).__name__}: {first}")
 
 
 @functools.partial(jax.jit, static_argnames=("config", "optimizer", "ce_weight", "unroll"),

@@ -9,9 +9,14 @@ event the trainer reads between drafter steps. `at_step_end` runs on every repli
 the rollouts are gathered: the replicas' drafters are averaged and the deploy gate decides
 whether the rollout's drafter changes. Each rollout round (a step, or a step's extra
 DAPO draw) has its own control keys.
+
+`save` / `restore` keep what resuming needs beside the run's checkpoint: each replica writes
+its own drafter checkpoint (candidate and deployed drafter, optimizer state, its own online
+buffer, the gate's decay watch) to its own directory.
 """
 from __future__ import annotations
 
+import sys
 import time
 import zlib
 from typing import Any
@@ -21,6 +26,7 @@ import numpy as np
 
 from tlt_jax.distributed import collectives
 from tlt_jax.distributed.control import ReplicaControl, ReplicaState
+from tlt_jax.drafter.checkpoints import DrafterCheckpoints
 from tlt_jax.models.transformer import Params
 from tlt_jax.rl.rollout import GroupRollouts
 from tlt_jax.rl.spot_trainer import SpotTrainer
@@ -40,10 +46,12 @@ class AllProcesses:
 class IdleDrafter:
   """One replica's online drafter and its place in the control plane."""
 
-  def __init__(self, spot: SpotTrainer, control: ReplicaControl, extra_tail_s: float = 0.0):
+  def __init__(self, spot: SpotTrainer, control: ReplicaControl, extra_tail_s: float = 0.0,
+               checkpoints: DrafterCheckpoints | None = None):
     # extra_tail_s: seconds this replica keeps busy after its rollout, as if its tail were
     # longer (tests and demos make one replica the straggler with it).
     self.spot, self.control, self.extra_tail_s = spot, control, extra_tail_s
+    self.checkpoints = checkpoints
     self.steps_trained = 0
     self.rounds: list[int] = []            # control-plane rounds of the step in flight
     self.accept_len: float | None = None   # the deployed drafter's, last step
@@ -75,7 +83,12 @@ class IdleDrafter:
       raise RuntimeError(f"replica control plane failed: {watch.error}")
     done_at = watch.done_at
     self.steps_trained += report.steps - report.discarded
+    if report.error is not None:
+      print(f"warning: step {step}: replica {self.control.replica}: a drafter step failed "
+            f"({report.error}); this round's drafter steps are discarded, the last synced "
+            "drafter kept", file=sys.stderr)
     return {"drafter/train_steps": report.steps, "drafter/discarded_steps": report.discarded,
+            "drafter/failed_rounds": int(report.error is not None),
             "drafter/loss": report.mean_loss,
             "drafter/idle_device_s_available": done_at - finished,
             "drafter/idle_device_s_used": float(sum(e - s for s, e in report.spans)),
@@ -104,3 +117,18 @@ class IdleDrafter:
     digest = zlib.crc32(b"".join(np.ascontiguousarray(x).tobytes() for x in leaves))
     sums = self.spot.collective.allgather({"crc": np.asarray(digest, np.int64)})
     return int(len({int(c["crc"]) for c in sums}) == 1)
+
+  def save(self, step: int) -> None:
+    """This replica's drafter checkpoint of `step`, on disk on every replica when this
+    returns (a collective), so a run checkpoint of `step` saved after it can resume."""
+    self.checkpoints.save(step, self.spot.checkpoint_state(), self.spot.buffer,
+                          meta={"spot": self.spot.host_state(), "accept_len": self.accept_len})
+    self.checkpoints.wait()
+    self.spot.collective.allgather({"saved": np.asarray(step, np.int64)})
+
+  def restore(self, step: int) -> None:
+    """Continues from this replica's drafter checkpoint of `step`."""
+    saved, meta = self.checkpoints.restore(self.spot.checkpoint_state(), self.spot.buffer,
+                                           step)
+    self.spot.restore(saved, meta["spot"])
+    self.accept_len = meta["accept_len"]

@@ -19,6 +19,10 @@ Per replica and RL step:
    latest rollout, summed over replicas (`drafter/gate.py`); the candidate replaces the
    deployed drafter only if it scores higher. With `train="on_decay"` training waits
    until the deployed drafter's measured accept length decays.
+
+A drafter step that raises (say the device ran out of memory) loses the state it was
+given (train steps donate it): the candidate falls back to the last synced one, kept on the
+host, and the round counts as untrained. The rollout never depends on the candidate.
 """
 from __future__ import annotations
 
@@ -101,6 +105,10 @@ def _copy(tree):
   return jax.tree.map(jnp.copy, tree)
 
 
+def _host_copy(tree):
+  return jax.tree.map(np.array, jax.device_get(tree))   # copies, never views of buffers
+
+
 class SpotTrainer:
   """A replica's drafter trainer, buffer, deployed drafter and gate (module doc)."""
 
@@ -111,6 +119,7 @@ class SpotTrainer:
     self.deployed = deployed
     # train steps donate their state: the deployed drafter keeps arrays of its own.
     self.state: TrainState = init_train_state(_copy(deployed.params), self.optimizer)
+    self._synced = _host_copy(self.state)   # the last candidate every replica agreed on
     self.buffer = OnlineBuffer(config.buffer)
     self.watch = gate_lib.DecayWatch(config.decay_tolerance)
 
@@ -153,10 +162,16 @@ class SpotTrainer:
 
   def train_while_idle(self, step: int, target_params: Params,
                        stop: Callable[[], bool]) -> online.StepsReport:
-    self.state, report = online.train_steps(
-        self.state, target_params, self.buffer, step, stop, self.config.max_steps,
-        config=self.model_config, optimizer=self.optimizer,
-        vocab_ids=self.deployed.vocab_ids, unroll=self.config.unroll)
+    """Drafter steps until `stop`; a step that raises discards the round (module doc)."""
+    began = time.perf_counter()
+    try:
+      self.state, report = online.train_steps(
+          self.state, target_params, self.buffer, step, stop, self.config.max_steps,
+          config=self.model_config, optimizer=self.optimizer,
+          vocab_ids=self.deployed.vocab_ids, unroll=self.config.unroll)
+    except Exception as e:  # noqa: BLE001 - any failure of a step; the run goes on
+      self.state = jax.tree.map(jnp.asarray, self._synced)
+      return online.StepsReport.failed(began, e)
     return report
 
   def sync(self, steps_trained: int) -> bool:
@@ -168,7 +183,8 @@ class SpotTrainer:
     averaged = weighted_average(self.collective.allgather(mine), len(leaves))
     if averaged is None:
       return False
-    self.state = jax.tree.map(jnp.asarray, jax.tree.unflatten(treedef, averaged))
+    self._synced = jax.tree.map(np.array, jax.tree.unflatten(treedef, averaged))
+    self.state = jax.tree.map(jnp.asarray, self._synced)
     return True
 
   def gate(self, target_params: Params) -> dict[str, Any]:
@@ -203,6 +219,7 @@ class SpotTrainer:
   def restore(self, saved: dict[str, Any], host_state: dict[str, Any]) -> None:
     """Continues from `checkpoint_state()` as restored and `host_state()`."""
     self.state = saved["candidate"]
+    self._synced = _host_copy(self.state)
     self.deployed = self.deployed.replace(params=saved["deployed"])
     self.watch.load_state_dict(host_state["watch"])
 
