@@ -21,6 +21,15 @@ def pytest_configure(config):
 
 
 @pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory) -> str:
+  """A persistent compilation cache for the CLI runs of one test file that repeat a setting
+  (a resume, a second run): pass it as JAX_COMPILATION_CACHE_DIR in their environment and the
+  later runs load the first one's programs. Each test file runs in a pytest process of its
+  own (tests/run_files.py), so no file depends on another's programs."""
+  return str(tmp_path_factory.mktemp("compile_cache"))
+
+
+@pytest.fixture(scope="session")
 def tiny_hf_dirs(tmp_path_factory) -> dict[str, str]:
   """kind -> dir of a tiny random HF checkpoint, one per TINY_KINDS, built once."""
   root = tmp_path_factory.mktemp("tiny_hf")

@@ -1,5 +1,6 @@
 """Drafter training: packing keeps samples apart, the loss trains, files round-trip, CLI."""
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -284,29 +285,30 @@ def test_load_drafter_rejects_other_model(tmp_path):
     trainer.load_drafter(str(tmp_path), CONFIG)
 
 
-def _cli(*args, timeout=240):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
+def _cli(*args, timeout=240, cache=""):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=cache)
   return subprocess.run([sys.executable, "-m", "experiments.train_drafter", *args],
                         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def test_cli_trains_and_resumes(tiny_hf_dirs, tmp_path):
+def test_cli_trains_and_resumes(tiny_hf_dirs, tmp_path, compile_cache):
+  run = functools.partial(_cli, cache=compile_cache)   # the later runs load the first's programs
   out = str(tmp_path / "run")
   tiny_config = ModelConfig.from_hf_dir(tiny_hf_dirs["llama"])
   # 20 prompts: the fewest for which one sample is held out and evaluated.
   flags = [f"--model={tiny_hf_dirs['llama']}", f"--out={out}", "--num_prompts=20",
            "--tasks=basic_arithmetic,chat", "--max_new_tokens=8", "--batch_rows=2",
            "--seq_len=128", "--draft_vocab_size=64", "--log_every=1", "--eval_every=2"]
-  corpus_only = _cli(*flags, "--corpus_only")
+  corpus_only = run(*flags, "--corpus_only")
   assert corpus_only.returncode == 0, corpus_only.stderr[-2000:]
   assert sorted(os.listdir(out)) == ["corpus.json"]
-  first = _cli(*flags, "--steps=2")
+  first = run(*flags, "--steps=2")
   assert first.returncode == 0, first.stderr[-2000:]
   assert "cached corpus" in first.stderr
   for name in ("corpus.json", "metrics.json", trainer.WEIGHTS, trainer.CONFIG):
     assert os.path.isfile(os.path.join(out, name)), name
   relative_out = f"--out={os.path.relpath(out, REPO_ROOT)}"   # orbax wants absolute paths
-  resumed = _cli(*[relative_out if f.startswith("--out=") else f for f in flags], "--steps=4",
+  resumed = run(*[relative_out if f.startswith("--out=") else f for f in flags], "--steps=4",
                  "--resume", "--ce_weight=1.0")
   assert resumed.returncode == 0, resumed.stderr[-2000:]
   assert "cached corpus" in resumed.stderr and "resumed at step 2" in resumed.stderr
@@ -324,7 +326,8 @@ def test_cli_trains_and_resumes(tiny_hf_dirs, tmp_path):
   export = lambda *a: subprocess.run([sys.executable, "-m", "experiments.export_drafter",
                                       f"--model={tiny_hf_dirs['llama']}", *a], cwd=REPO_ROOT,
                                      capture_output=True, text=True, timeout=120,
-                                     env=dict(os.environ, JAX_PLATFORMS="cpu"))
+                                     env=dict(os.environ, JAX_PLATFORMS="cpu",
+                                              JAX_COMPILATION_CACHE_DIR=compile_cache))
   exported = export(f"--drafter={out}", f"--out={shipped}")
   assert exported.returncode == 0, exported.stderr[-2000:]
   assert "(step 4)" in exported.stderr and "float16" in exported.stderr
@@ -352,7 +355,7 @@ def test_cli_trains_and_resumes(tiny_hf_dirs, tmp_path):
   assert "is --drafter itself" in onto_itself.stderr
   # The export keeps training (fresh optimizer), with its own draft vocabulary.
   again = str(tmp_path / "again")
-  continued = _cli(*[f"--out={again}" if f.startswith("--out=") else f for f in flags],
+  continued = run(*[f"--out={again}" if f.startswith("--out=") else f for f in flags],
                    "--steps=1", f"--init_from={shipped}")
   assert continued.returncode == 0, continued.stderr[-2000:]
   assert f"starting from the weights of {shipped}" in continued.stderr
@@ -360,17 +363,17 @@ def test_cli_trains_and_resumes(tiny_hf_dirs, tmp_path):
     assert [e["step"] for e in json.load(f)["held_out_history"]] == [0, 1]
   np.testing.assert_array_equal(
       trainer.load_drafter(again, tiny_config)[1], vocab)
-  both_ways = _cli(*flags, "--steps=5", "--resume", f"--init_from={shipped}")
+  both_ways = run(*flags, "--steps=5", "--resume", f"--init_from={shipped}")
   assert both_ways.returncode == 2 and "not both" in both_ways.stderr
 
   # A second run adds the first run's corpus to its own (40 samples: 2 held out).
   mixed = str(tmp_path / "mixed")
   flags[1] = f"--out={mixed}"
-  both = _cli(*flags, "--steps=1", "--seed=1", f"--extra_corpora={out}/corpus.json")
+  both = run(*flags, "--steps=1", "--seed=1", f"--extra_corpora={out}/corpus.json")
   assert both.returncode == 0, both.stderr[-2000:]
   with open(os.path.join(mixed, "metrics.json")) as f:
     assert json.load(f)["corpus"]["held_out_samples"] == 2
-  bad = _cli(*flags, "--steps=1", f"--extra_corpora={out}/metrics.json")
+  bad = run(*flags, "--steps=1", f"--extra_corpora={out}/metrics.json")
   assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
   assert "metrics.json is not a train_drafter corpus.json" in bad.stderr
 

@@ -116,9 +116,11 @@ def check_rollouts_after_precompile_compile_nothing(spec_kind: str,
     assert strategies_played == set(pool.split(","))
 
 
+# Hidden states are captured for the online drafter, which needs a learned one: capture is
+# checked with the kinds a run can pair it with (no SD, learned, mixed pools).
 @pytest.mark.parametrize("spec_kind,capture_hidden", [
     ("none", False), ("learned", False), ("ngram", False), ("hybrid", False), ("mixed", False),
-    ("none", True), ("learned", True), ("ngram", True), ("mixed", True)])
+    ("none", True), ("learned", True), ("mixed", True)])
 def test_rollouts_after_precompile_compile_nothing(spec_kind, capture_hidden):
   code = ("from tests.test_precompile import check_rollouts_after_precompile_compile_nothing "
           f"as check; check({spec_kind!r}, {capture_hidden!r})")

@@ -22,10 +22,10 @@ ONLINE = ("--eval_every=0", "--num_val=0", "--sd_threshold=1", "--sd_patience=10
 
 
 def test_the_first_replica_trains_the_drafter_while_the_straggler_decodes(
-    tiny_hf_dirs, drafter_dir, tmp_path):  # noqa: F811 - the fixture
+    tiny_hf_dirs, drafter_dir, tmp_path, compile_cache):  # noqa: F811 - the fixture
   run_dir = str(tmp_path / "run")
   proc = run_cli(run_dir, tiny_hf_dirs["qwen2"], "--steps=2", f"--drafter={drafter_dir}",
-                 *ONLINE, env_extra={"TLT_JAX_STRAGGLER": "1:5.0"})
+                 *ONLINE, env_extra={"TLT_JAX_STRAGGLER": "1:5.0"}, cache=compile_cache)
   records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
   assert [r["step"] for r in records] == [1, 2], proc.stderr[-3000:]
   assert all(r["drafter/replicas_identical"] == 1 for r in records)
@@ -53,7 +53,8 @@ def test_the_first_replica_trains_the_drafter_while_the_straggler_decodes(
     assert os.listdir(os.path.join(run_dir, "drafter", f"replica_{replica}")) == [
         "step_00000002"]
   proc = run_cli(run_dir, tiny_hf_dirs["qwen2"], "--steps=3", "--resume=auto",
-                 f"--drafter={drafter_dir}", *ONLINE, env_extra={"TLT_JAX_STRAGGLER": "1:5.0"})
+                 f"--drafter={drafter_dir}", *ONLINE, env_extra={"TLT_JAX_STRAGGLER": "1:5.0"},
+                 cache=compile_cache)
   assert "resumed" in proc.stderr
   resumed = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][-1]
   assert resumed["step"] == 3 and resumed["drafter/replicas_identical"] == 1

@@ -29,12 +29,13 @@ def records(run_dir):
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_hf_dirs, tmp_path_factory):
+def runs(tiny_hf_dirs, tmp_path_factory, compile_cache):
   root = tmp_path_factory.mktemp("replicas")
   one, two = str(root / "one"), str(root / "two")
-  run_cli(one, tiny_hf_dirs["qwen2"], "--steps=2", *FLAGS)
+  run_cli(one, tiny_hf_dirs["qwen2"], "--steps=2", *FLAGS, cache=compile_cache)
   start = time.perf_counter()
-  proc = run_cli(two, tiny_hf_dirs["qwen2"], "--steps=2", "--replicas=2", *FLAGS)
+  proc = run_cli(two, tiny_hf_dirs["qwen2"], "--steps=2", "--replicas=2", *FLAGS,
+                 cache=compile_cache)
   return one, two, proc, time.perf_counter() - start
 
 
@@ -63,22 +64,22 @@ def test_two_replicas_equal_one_process_at_temperature_0(runs):
   assert proc.stderr.count("step 2/2") == 1 and proc.stderr.count("HF export:") == 1
 
 
-def test_resume_with_replicas(runs, tiny_hf_dirs, tmp_path):
+def test_resume_with_replicas(runs, tiny_hf_dirs, tmp_path, compile_cache):
   _, two, _, _ = runs
   run_dir = str(tmp_path / "run")
   shutil.copytree(two, run_dir)
   proc = run_cli(run_dir, tiny_hf_dirs["qwen2"], "--steps=3", "--replicas=2", "--resume=auto",
-                 *FLAGS)
+                 *FLAGS, cache=compile_cache)
   assert "resumed" in proc.stderr
   assert [r["step"] for r in records(run_dir)] == [0, 1, 2, 3]
   assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["2", "3"]
 
 
-def test_a_dead_replica_ends_the_run_in_one_line(tiny_hf_dirs, tmp_path):
+def test_a_dead_replica_ends_the_run_in_one_line(tiny_hf_dirs, tmp_path, compile_cache):
   start = time.perf_counter()
   proc = run_cli(str(tmp_path / "run"), tiny_hf_dirs["qwen2"], "--steps=3", "--replicas=2",
                  "--eval_every=0", *FLAGS, env_extra={"TLT_JAX_KILL_AT": "step:2@1"},
-                 check=False)
+                 check=False, cache=compile_cache)
   assert proc.returncode == EXIT_REPLICA_FAILED, proc.stderr[-3000:]
   errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
   assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]

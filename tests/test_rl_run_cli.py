@@ -19,9 +19,11 @@ _MACHINE_PREFIXES = ("timing/", "perf/tokens_per_s", "mem/", "compile/",
                      "rollout/live_rows_trace", "rollout/tail_s", "rollout/tokens_per_s")
 
 
-def run_cli(run_dir, model_dir, *extra, env_extra=None, check=True, tasks=TASKS):
+def run_cli(run_dir, model_dir, *extra, env_extra=None, check=True, tasks=TASKS, cache=""):
+  """`experiments.run` on the test task; cache: a compilation cache dir (the
+  `compile_cache` fixture) for runs that repeat a setting, "" for none."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env.update(JAX_PLATFORMS="cpu", **(env_extra or {}))
+  env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=cache, **(env_extra or {}))
   cmd = [sys.executable, "-m", "experiments.run", f"--model={model_dir}",
          *([f"--tasks={tasks}"] if tasks else []), "--num_train=32", "--num_val=4", "--max_prompt_len=96", "--max_new_tokens=12",
          "--prompts_per_step=2", "--group_size=4", "--micro_batch_rows=2", "--lr=1e-3",
@@ -39,10 +41,10 @@ def training_fields(path):
 
 
 @pytest.fixture(scope="module")
-def finished_run(tiny_hf_dirs, tmp_path_factory):
+def finished_run(tiny_hf_dirs, tmp_path_factory, compile_cache):
   run_dir = str(tmp_path_factory.mktemp("rl") / "run")
   proc = run_cli(run_dir, tiny_hf_dirs["qwen2"], "--steps=4", "--checkpoint_every=2",
-                 "--precompile")
+                 "--precompile", cache=compile_cache)
   return run_dir, proc
 
 
@@ -99,17 +101,19 @@ def test_hf_export_generates_like_our_cli(finished_run, tmp_path):
 
 
 @pytest.mark.parametrize("fault", ["step:3", "save:2"])
-def test_resume_after_sigkill_is_bitwise(finished_run, tiny_hf_dirs, tmp_path, fault):
+def test_resume_after_sigkill_is_bitwise(finished_run, tiny_hf_dirs, tmp_path, fault,
+                                        compile_cache):
   reference_dir, _ = finished_run
   run_dir = str(tmp_path / "run")
   killed = run_cli(run_dir, tiny_hf_dirs["qwen2"], "--steps=4", "--checkpoint_every=2",
-                   env_extra={"TLT_JAX_KILL_AT": fault}, check=False)
+                   env_extra={"TLT_JAX_KILL_AT": fault}, check=False, cache=compile_cache)
   assert killed.returncode == -signal.SIGKILL
   finished = sorted(int(d) for d in os.listdir(os.path.join(run_dir, "checkpoints"))
                     if d.isdigit())
   # Killed mid-save: step 2 never became a checkpoint; mid-step 3: step 2 did.
   assert finished == ([] if fault == "save:2" else [2])
-  run_cli(run_dir, tiny_hf_dirs["qwen2"], "--steps=4", "--checkpoint_every=2", "--resume=auto")
+  run_cli(run_dir, tiny_hf_dirs["qwen2"], "--steps=4", "--checkpoint_every=2", "--resume=auto",
+          cache=compile_cache)
   assert (training_fields(os.path.join(run_dir, "metrics.jsonl"))
           == training_fields(os.path.join(reference_dir, "metrics.jsonl")))
   from safetensors.numpy import load_file
