@@ -27,16 +27,20 @@ import xml.etree.ElementTree as ElementTree
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
 NO_TESTS = 5   # pytest's exit code when nothing was collected (e.g. all deselected by -k)
-# The files that take longest (seconds with two at a time on the 2-core CPU), started
-# first so the run does not end on one of them alone; the rest follow by name.
-LONGEST_FIRST = ("test_speculative.py",         # 590
-                 "test_drafter_training.py",    # 440
-                 "test_rl_run_cli.py",          # 340
-                 "test_precompile.py",          # 290
-                 "test_rl_run_sd_cli.py",       # 270
-                 "test_generate_sd_cli.py",     # 240
-                 "test_rl_bad_input.py",        # 220
-                 "test_speculative_smollm2.py")  # 210
+# The files that take longest (seconds with two at a time on the 2-core CPU, in a full run
+# on a shared host), started first so the run does not end on one of them alone; the rest
+# follow by name.
+LONGEST_FIRST = ("test_speculative.py",         # 1200
+                 "test_precompile.py",          # 670
+                 "test_drafter_training.py",    # 530
+                 "test_rl_replicas_cli.py",     # 490
+                 "test_rl_run_cli.py",          # 480
+                 "test_rl_online_drafter.py",   # 430
+                 "test_hybrid_drafting.py",     # 370
+                 "test_generate_sd_cli.py",     # 330
+                 "test_rl_bad_input.py",        # 310
+                 "test_smollm2_parity.py",      # 290
+                 "test_model_free.py")          # 280
 
 
 def counts(junit_xml: str) -> dict[str, int]:
