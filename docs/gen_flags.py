@@ -31,6 +31,8 @@ ENTRY_POINTS = (
      "[--FLAG=VALUE ...]"),
     ("experiments.export_drafter", "python -m experiments.export_drafter --drafter=DIR "
      "--out=DIR2 [--FLAG=VALUE ...]"),
+    ("experiments.ablate", "python -m experiments.ablate --configs=baseline,tlt --steps=N "
+     "[--FLAG=VALUE ...]"),
 )
 
 # Flags absl's parser handles itself, on every entry point.

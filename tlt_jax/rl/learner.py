@@ -289,6 +289,8 @@ class Learner:
         "reward/accuracy": float(scored.accuracy.mean()),
         "reward/informative_groups": int(adv.informative_groups(scored.rewards).sum()),
         "response_len/mean": float(lengths.mean()), "response_len/max": int(lengths.max()),
+        "response_len/p50": float(np.percentile(lengths, 50)),
+        "response_len/p90": float(np.percentile(lengths, 90)),
         "response_len/clip_frac": float(scored.rollouts.truncated.mean()),
     }
 

@@ -1,0 +1,297 @@
+"""The TLT ablation in one command: each config's `experiments.run`, then one table.
+
+  python -m experiments.ablate --configs=baseline,tlt_base,tlt_frozen,tlt,tlt_hybrid \
+      --steps=10 [--run_root=runs/ablation] [--read_only] [--out=benchmarks/results/ablation_cpu]
+
+A config NAME is the flagfile experiments/configs/ablation/NAME.flags (every one includes the
+shared workload, base.flags). Its run dir is RUN_ROOT/NAME: a run that exists is continued
+(`--resume=auto`), one already at --steps is left alone, so the table can be built over
+several sessions; with --read_only nothing runs and every run dir must exist. Every input
+is checked (config names, the flagfiles parsed by experiments.run's own flags, the run dirs)
+before any run starts.
+
+Writes OUT.json and OUT.md (one row per config: median step, rollout and tail seconds,
+accept length, drafter train steps, idle seconds used / available, reward and validation
+accuracy at the last step, steps done) and OUT_step_time.png, OUT_accept_len.png (one line
+per config).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Sequence
+
+from absl import flags
+
+from experiments import cli
+from tlt_jax.errors import UserInputError
+from tlt_jax.files import atomic_file
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG_DIR = os.path.join("experiments", "configs", "ablation")   # relative to REPO
+CONFIGS = ("baseline", "tlt_base", "tlt_frozen", "tlt", "tlt_hybrid")
+METRICS_FILE = "metrics.jsonl"   # tlt_jax.rl.metrics.METRICS_FILE, without importing jax's rl
+
+_CONFIGS = flags.DEFINE_list("configs", ",".join(CONFIGS), f"Configs to run, in order: any "
+                             f"of {', '.join(CONFIGS)}.")
+_STEPS = flags.DEFINE_integer("steps", 10, "RL steps per config.")
+_RUN_ROOT = flags.DEFINE_string("run_root", os.path.join("runs", "ablation"),
+                                "Run dirs: RUN_ROOT/CONFIG.")
+_READ_ONLY = flags.DEFINE_bool("read_only", False, "Run nothing: build the table from the "
+                               "existing run dirs.")
+_OUT = flags.DEFINE_string("out", os.path.join("benchmarks", "results", "ablation_cpu"),
+                           "Output path prefix: OUT.json, OUT.md, OUT_*.png.")
+
+
+def flagfile(config: str) -> str:
+  return os.path.join(CONFIG_DIR, f"{config}.flags")
+
+
+# Run in a subprocess (experiments.run's flags share names with this module's): parses each
+# flagfile with absl and experiments.run's flags; prints, per file, the project's flags it
+# sets or the first line of absl's error.
+_PARSE = r"""
+import json, sys
+from absl import flags
+import experiments.run
+out = {}
+for path in sys.argv[1:]:
+  try:
+    flags.FLAGS(["run", "--flagfile=" + path])
+    out[path] = {"flags": {f.name: f.value for m in flags.FLAGS.flags_by_module_dict()
+                           if m.startswith("experiments.")
+                           for f in flags.FLAGS.get_flags_for_module(m) if f.present}}
+  except flags.Error as e:
+    out[path] = {"error": str(e).splitlines()[0]}
+  flags.FLAGS.unparse_flags()
+print(json.dumps(out))
+"""
+
+
+def parse_flagfiles(paths: Sequence[str]) -> dict[str, dict[str, Any]]:
+  """Each flagfile parsed by experiments.run's own flags (absl): path -> {"flags": the
+  experiments flags it sets} or {"error": absl's message (an unknown flag, a bad value, a
+  missing included file)}. Paths relative to the repo root, as runs use them."""
+  result = subprocess.run([sys.executable, "-c", _PARSE, *paths], cwd=REPO,
+                          capture_output=True, text=True, check=False)
+  if result.returncode != 0:
+    raise RuntimeError(f"parsing the flagfiles failed:\n{result.stderr[-2000:]}")
+  return json.loads(result.stdout)
+
+
+def check_inputs(configs: Sequence[str], steps: int, run_root: str, read_only: bool) -> None:
+  """Every input checked before anything runs: one UserInputError naming the first bad one."""
+  if not configs:
+    raise UserInputError("--configs: no config given")
+  unknown = [c for c in configs if c not in CONFIGS]
+  if unknown:
+    raise UserInputError(f"--configs: unknown config {unknown[0]!r} (known: "
+                         f"{', '.join(CONFIGS)})")
+  if len(set(configs)) < len(configs):
+    raise UserInputError("--configs: a config is named twice")
+  if steps < 1:
+    raise UserInputError(f"--steps={steps}: must be >= 1")
+  if read_only:
+    for config in configs:
+      path = os.path.join(run_root, config, METRICS_FILE)
+      if not os.path.isfile(path):
+        raise UserInputError(f"--read_only: no run of {config!r}: {path} does not exist")
+    return
+  for path, parsed in parse_flagfiles([flagfile(c) for c in configs]).items():
+    if "error" in parsed:
+      raise UserInputError(f"{path}: {parsed['error']}")
+
+
+def read_history(run_dir: str) -> list[dict[str, Any]]:
+  """The run's metrics records (step 0 holds the first validation only)."""
+  with open(os.path.join(run_dir, METRICS_FILE)) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def steps_done(run_dir: str) -> int:
+  path = os.path.join(run_dir, METRICS_FILE)
+  if not os.path.isfile(path):
+    return 0
+  return max((r["step"] for r in read_history(run_dir)), default=0)
+
+
+def run_command(config: str, run_dir: str, steps: int) -> list[str]:
+  return [sys.executable, "-m", "experiments.run", f"--flagfile={flagfile(config)}",
+          f"--run_dir={run_dir}", f"--steps={steps}", "--resume=auto"]
+
+
+def run_configs(configs: Sequence[str], steps: int, run_root: str) -> None:
+  """Each config's run to `steps` steps, in order, its output passed through."""
+  for i, config in enumerate(configs, 1):
+    run_dir = os.path.abspath(os.path.join(run_root, config))
+    done = steps_done(run_dir)
+    head = f"ablate [{i}/{len(configs)}] {config}:"
+    if done >= steps:
+      print(f"{head} already at step {done} of {steps} ({run_dir})", file=sys.stderr)
+      continue
+    print(f"{head} steps {done + 1}..{steps} -> {run_dir}", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    code = subprocess.run(run_command(config, run_dir, steps), cwd=REPO, check=False).returncode
+    if code != 0:
+      print(f"error: {config}: experiments.run exited with code {code} (its output is "
+            "above); rerun to continue from its last checkpoint", file=sys.stderr)
+      sys.exit(code)
+    print(f"{head} done in {(time.perf_counter() - start) / 60:.1f} min", file=sys.stderr)
+
+
+def _median(values: Sequence[float]) -> float | None:
+  return statistics.median(values) if values else None
+
+
+def _values(records, key) -> list[float]:
+  return [float(r[key]) for r in records if isinstance(r.get(key), (int, float))]
+
+
+def slowest_rollout_s(record: dict[str, Any]) -> float:
+  """The step's rollout seconds: the slowest replica's (with several), as the step waits
+  for it; `timing/rollout_s` is process 0's own."""
+  per_replica = record.get("rollout/replica_s")
+  return float(max(per_replica)) if per_replica else float(record["timing/rollout_s"])
+
+
+def summarize(history: Sequence[dict[str, Any]]) -> dict[str, Any]:
+  """One config's table row. Times are medians over the steps after the first (step 1
+  compiles) when there are several; counts and idle seconds are sums over all steps."""
+  steps = [r for r in history if r.get("step", 0) >= 1]
+  if not steps:
+    return {"steps_done": 0}
+  timed = steps[1:] or steps
+  used, available = (sum(_values(steps, f"drafter/idle_device_s_{k}"))
+                     for k in ("used", "available"))
+  evals = [r for r in history if "val/accuracy" in r]
+  return {
+      "steps_done": steps[-1]["step"],
+      "step_s": _median(_values(timed, "timing/step_s")),
+      "rollout_s": _median([slowest_rollout_s(r) for r in timed]),
+      "rollout_frac": _median([slowest_rollout_s(r) / r["timing/step_s"] for r in timed]),
+      "tail_s": _median(_values(timed, "rollout/tail_s")),
+      "accept_len": _median([v for v in _values(steps, "spec/accept_len") if v > 0]),
+      "accept_len_last": steps[-1].get("spec/accept_len"),
+      "drafter_train_steps": int(sum(_values(steps, "drafter/train_steps"))),
+      "idle_s_used": used, "idle_s_available": available,
+      "idle_used_frac": used / available if available else None,
+      "reward_last": steps[-1].get("reward/mean"),
+      "val_accuracy_last": evals[-1]["val/accuracy"] if evals else None,
+      "val_step_last": evals[-1]["step"] if evals else None,
+      "response_len_p50": _median(_values(steps, "response_len/p50")),
+      "response_len_p90": _median(_values(steps, "response_len/p90")),
+      "response_len_max": max(_values(steps, "response_len/max"), default=None),
+  }
+
+
+# (column title, how a row's cell is written)
+_COLUMNS = (
+    ("config", lambda r: r["config"]),
+    ("steps", lambda r: str(r["steps_done"])),
+    ("step s", lambda r: _num(r.get("step_s"), ".1f")),
+    ("rollout s (share)", lambda r: f"{_num(r.get('rollout_s'), '.1f')} "
+                                    f"({_num(r.get('rollout_frac'), '.2f')})"),
+    ("tail s", lambda r: _num(r.get("tail_s"), ".1f")),
+    ("accept len (last)", lambda r: f"{_num(r.get('accept_len'), '.2f')} "
+                                    f"({_num(r.get('accept_len_last'), '.2f')})"),
+    ("drafter steps", lambda r: str(r.get("drafter_train_steps", 0))),
+    ("idle s used / available", lambda r: f"{_num(r.get('idle_s_used'), '.0f')} / "
+                                          f"{_num(r.get('idle_s_available'), '.0f')}"),
+    ("reward (last)", lambda r: _num(r.get("reward_last"), ".3f")),
+    ("val acc (step)", lambda r: f"{_num(r.get('val_accuracy_last'), '.3f')} "
+                                 f"({_num(r.get('val_step_last'), 'd')})"),
+    ("len p50 / p90 / max", lambda r: " / ".join(_num(r.get(f"response_len_{k}"), ".0f")
+                                                 for k in ("p50", "p90", "max"))),
+)
+
+
+def _num(value, spec: str) -> str:
+  return "-" if value is None else format(value, spec)
+
+
+def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
+  """The rows as a markdown table, with a line saying how the figures were taken."""
+  lines = ["| " + " | ".join(title for title, _ in _COLUMNS) + " |",
+           "|" + "---|" * len(_COLUMNS)]
+  lines += ["| " + " | ".join(cell(row) for _, cell in _COLUMNS) + " |" for row in rows]
+  lines.append("")
+  lines.append("Seconds: medians over the steps after the first (step 1 compiles); rollout s "
+               "is the slowest replica's, its share of the step's seconds in brackets; tail s "
+               "and idle seconds are process 0's. Accept len: median over the steps where SD "
+               "ran. Drafter steps and idle seconds: sums over the steps. Lengths: medians of "
+               "the steps' p50 and p90, and the longest response.")
+  return "\n".join(lines) + "\n"
+
+
+def per_step(history: Sequence[dict[str, Any]]) -> dict[str, list]:
+  """The plotted series: step, step seconds, accept length (None where SD did not run)."""
+  steps = [r for r in history if r.get("step", 0) >= 1]
+  return {"step": [r["step"] for r in steps],
+          "step_s": [r.get("timing/step_s") for r in steps],
+          "accept_len": [r.get("spec/accept_len") or None for r in steps]}
+
+
+def write_plots(series: dict[str, dict[str, list]], out: str) -> list[str]:
+  """OUT_step_time.png and OUT_accept_len.png, one line per config."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  from matplotlib.ticker import MaxNLocator
+
+  paths = []
+  for key, name, ylabel in (("step_s", "step_time", "seconds per step"),
+                            ("accept_len", "accept_len", "tokens per verify step")):
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for config, s in series.items():
+      points = [(x, y) for x, y in zip(s["step"], s[key]) if y is not None]
+      if points:
+        ax.plot(*zip(*points), marker="o", label=config)
+    ax.set(title=f"ablation: {ylabel}", xlabel="RL step", ylabel=ylabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if ax.get_legend_handles_labels()[0]:
+      ax.legend(fontsize="small")
+    fig.tight_layout()
+    path = f"{out}_{name}.png"
+    with atomic_file(path, "wb") as f:
+      fig.savefig(f, format="png", dpi=90)
+    plt.close(fig)
+    paths.append(path)
+  return paths
+
+
+def write_table(configs: Sequence[str], run_root: str, steps: int, out: str) -> dict[str, Any]:
+  """Reads every config's run dir; writes OUT.json, OUT.md and the plots; returns the JSON."""
+  from benchmarks.report import provenance
+
+  histories = {c: read_history(os.path.join(run_root, c)) for c in configs}
+  rows = [{"config": c, **summarize(h)} for c, h in histories.items()]
+  series = {c: per_step(h) for c, h in histories.items()}
+  result = {**provenance(), "command": " ".join(["python -m experiments.ablate", *sys.argv[1:]]),
+            "steps_requested": steps, "run_root": os.path.abspath(run_root),
+            "flagfiles": {c: flagfile(c) for c in configs}, "rows": rows, "per_step": series}
+  with atomic_file(f"{out}.json") as f:
+    json.dump(result, f, indent=1)
+  with atomic_file(f"{out}.md") as f:
+    f.write(markdown_table(rows))
+  write_plots(series, out)
+  return result
+
+
+def main(argv):
+  del argv
+  configs, steps, run_root = _CONFIGS.value, _STEPS.value, _RUN_ROOT.value
+  check_inputs(configs, steps, run_root, _READ_ONLY.value)
+  cli.check_output_file(f"{_OUT.value}.json", "--out")
+  if not _READ_ONLY.value:
+    run_configs(configs, steps, run_root)
+  result = write_table(configs, run_root, steps, _OUT.value)
+  print(f"{markdown_table(result['rows'])}\nwritten: {_OUT.value}.json, {_OUT.value}.md, "
+        f"{_OUT.value}_step_time.png, {_OUT.value}_accept_len.png", file=sys.stderr)
+
+
+if __name__ == "__main__":
+  cli.run(main)

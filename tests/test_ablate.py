@@ -1,0 +1,141 @@
+"""`python -m experiments.ablate`: the ablation flagfiles parse with experiments.run's flags
+and differ only where the ablation means them to; the table and plots from synthetic run
+dirs (small metrics.jsonl files, nothing trained); bad input is one line before any run.
+The real ablation runs are never started here."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from experiments import ablate
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_ablate(*args):
+  return subprocess.run([sys.executable, "-m", "experiments.ablate", *args], cwd=REPO,
+                        capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def parsed():
+  return ablate.parse_flagfiles([ablate.flagfile(c) for c in ablate.CONFIGS])
+
+
+def test_every_config_parses_and_differs_only_as_the_ablation_means(parsed):
+  errors = {path: p["error"] for path, p in parsed.items() if "error" in p}
+  assert not errors, errors
+  sets = {c: parsed[ablate.flagfile(c)]["flags"] for c in ablate.CONFIGS}
+  base = sets["baseline"]
+  assert base["replicas"] == 2 and base["max_new_tokens"] >= 512 and "drafter" not in base
+  for config, values in sets.items():   # one shared workload
+    assert {k: values[k] for k in base} == base, config
+  drafters = {c: (v.get("drafter"), v.get("drafter_train", "off"), v.get("hybrid", False))
+              for c, v in sets.items()}
+  shipped = "assets/drafter_smollm2"
+  assert drafters == {"baseline": (None, "off", False), "tlt_base": ("ngram", "off", False),
+                      "tlt_frozen": (shipped, "off", False), "tlt": (shipped, "always", False),
+                      "tlt_hybrid": (shipped, "always", True)}
+  assert os.path.isfile(os.path.join(REPO, shipped, "drafter.safetensors"))
+  # Every drafting config decodes the tail with the same SD settings and strategy pool.
+  sd_keys = ("strategy", "sd_threshold", "sd_patience")
+  assert len({tuple(str(sets[c][k]) for k in sd_keys) for c in ablate.CONFIGS[1:]}) == 1
+
+
+def test_an_unknown_flag_in_a_flagfile_is_named(tmp_path):
+  path = tmp_path / "typo.flags"
+  path.write_text("--flagfile=experiments/configs/ablation/base.flags\n--drafter_trian=always\n")
+  (result,) = ablate.parse_flagfiles([str(path)]).values()
+  assert "drafter_trian" in result["error"], result
+
+
+def write_run(run_dir, records):
+  os.makedirs(run_dir)
+  with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def step(n, step_s, rollout, accept=None, idle=(0.0, 0.0), train_steps=0, **extra):
+  record = {"step": n, "timing/step_s": step_s, "timing/rollout_s": rollout[0],
+            "rollout/replica_s": list(rollout), "rollout/tail_s": step_s / 10,
+            "reward/mean": 0.1 * n, "response_len/p50": 40.0 + n, "response_len/p90": 300.0,
+            "response_len/max": 500 + n, "drafter/idle_device_s_used": idle[0],
+            "drafter/idle_device_s_available": idle[1], "drafter/train_steps": train_steps}
+  if accept is not None:
+    record["spec/accept_len"] = accept
+  return {**record, **extra}
+
+
+@pytest.fixture
+def synthetic_runs(tmp_path):
+  root = tmp_path / "runs"
+  write_run(root / "baseline", [{"step": 0, "val/accuracy": 0.25},
+                                step(1, 100.0, (60.0, 70.0)), step(2, 50.0, (30.0, 40.0)),
+                                step(3, 60.0, (45.0, 30.0), **{"val/accuracy": 0.5})])
+  write_run(root / "tlt", [{"step": 0, "val/accuracy": 0.25},
+                           step(1, 90.0, (50.0, 60.0), accept=2.0, idle=(5.0, 10.0),
+                                train_steps=3),
+                           step(2, 40.0, (20.0, 32.0), accept=0.0),    # SD never switched on
+                           step(3, 44.0, (35.0, 11.0), accept=3.0, idle=(8.0, 10.0),
+                                train_steps=4)])
+  return root
+
+
+def test_table_from_synthetic_run_dirs(synthetic_runs, tmp_path):
+  out = str(tmp_path / "results" / "ablation")
+  os.makedirs(os.path.dirname(out))
+  proc = run_ablate("--configs=baseline,tlt", "--steps=3", f"--run_root={synthetic_runs}",
+                    "--read_only", f"--out={out}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.load(open(out + ".json"))
+  rows = {r["config"]: r for r in result["rows"]}
+  # Times: medians over steps 2 and 3; rollout is the slowest replica's.
+  assert rows["baseline"]["step_s"] == 55.0 and rows["baseline"]["rollout_s"] == 42.5
+  assert rows["baseline"]["rollout_frac"] == pytest.approx((40 / 50 + 45 / 60) / 2)
+  assert rows["baseline"]["accept_len"] is None and rows["baseline"]["idle_used_frac"] is None
+  assert rows["baseline"]["val_accuracy_last"] == 0.5 and rows["baseline"]["val_step_last"] == 3
+  assert rows["baseline"]["response_len_max"] == 503
+  tlt = rows["tlt"]
+  assert tlt["steps_done"] == 3 and tlt["step_s"] == 42.0 and tlt["rollout_s"] == 33.5
+  assert tlt["tail_s"] == pytest.approx(4.2)
+  assert tlt["accept_len"] == 2.5 and tlt["accept_len_last"] == 3.0   # steps with SD only
+  assert tlt["drafter_train_steps"] == 7 and tlt["idle_used_frac"] == pytest.approx(13 / 20)
+  assert tlt["reward_last"] == pytest.approx(0.3) and tlt["val_accuracy_last"] == 0.25
+  assert result["per_step"]["tlt"]["accept_len"] == [2.0, None, 3.0]
+  assert result["command"].startswith("python -m experiments.ablate --configs=baseline,tlt")
+  table = open(out + ".md").read()
+  assert "| tlt | 3 | 42.0 | 33.5 (0.80) | 4.2 | 2.50 (3.00) | 7 | 13 / 20 |" in table, table
+  for name in ("step_time", "accept_len"):
+    assert os.path.getsize(f"{out}_{name}.png") > 1000
+
+
+def test_finished_runs_are_not_run_again(synthetic_runs, tmp_path):
+  out = str(tmp_path / "ablation")
+  proc = run_ablate("--configs=tlt", "--steps=3", f"--run_root={synthetic_runs}",
+                    f"--out={out}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "ablate [1/1] tlt: already at step 3 of 3" in proc.stderr
+  assert ablate.run_command("tlt", "/r/tlt", 12)[1:] == [
+      "-m", "experiments.run", "--flagfile=experiments/configs/ablation/tlt.flags",
+      "--run_dir=/r/tlt", "--steps=12", "--resume=auto"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--configs=baseline,tlt_fast",), "--configs: unknown config 'tlt_fast' (known: "
+     "baseline, tlt_base, tlt_frozen, tlt, tlt_hybrid)"),
+    (("--configs=tlt,tlt",), "--configs: a config is named twice"),
+    (("--steps=0",), "--steps=0: must be >= 1"),
+    (("--configs=baseline,tlt_hybrid", "--read_only"), "--read_only: no run of 'tlt_hybrid': "
+     "{root}/tlt_hybrid/metrics.jsonl does not exist"),
+])
+def test_bad_input_is_one_line_before_any_run(synthetic_runs, tmp_path, args, message):
+  out = str(tmp_path / "ablation")
+  proc = run_ablate(*args, f"--run_root={synthetic_runs}", f"--out={out}")
+  assert proc.returncode == 2
+  assert proc.stderr.strip().splitlines() == [
+      "error: " + message.format(root=synthetic_runs)], proc.stderr
+  assert not os.path.exists(out + ".json")
