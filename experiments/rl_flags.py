@@ -301,28 +301,46 @@ def straggler_seconds(replica: int) -> float:
     raise UserInputError(f"{STRAGGLER_ENV}={value!r}: expected REPLICA:SECONDS") from None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Checked:
+  """What the flags say, checked before anything loads."""
+  algo: dict
+  reward_spec: Any
+  spec: Any           # the SD config, or None
+  spot: Any           # the online drafter's config, or None
+  update: Any         # UpdateConfig
+  optimizer: Any
+  schedule: Any
+
+
 def build_run(total_steps: int, replicas=None, run_dir: str | None = None) -> Run:
   """Checks every flag, then loads the model, data, drafter and reward workers; `replicas`
   (`rl.replicas.Replicas`, default one): this process's rollout replica of the job's;
   `run_dir`: where checkpoints go (None: the run is not checkpointed)."""
-  import jax
-  import jax.numpy as jnp
-
-  from tlt_jax import optim
-  from tlt_jax.data.rl_data import (PromptStream, load_rl_records, parse_task_spec,
-                                    tokenize_rl_data)
-  from tlt_jax.models.loading import BUNDLED_SMOLLM2, load_model
-  from tlt_jax.rl.learner import Learner, StepConfig
   from tlt_jax.rl.replicas import Replicas
-  from tlt_jax.rl.rewards import RewardPool, RewardSpec
-  from tlt_jax.rl.rollout import RolloutSettings
-  from tlt_jax.rl.update import UpdateConfig, UpdateContext, init_policy_state
+
+  replicas = replicas or Replicas()
+  checked = _check_flags(total_steps, replicas)
+  model, data = _load_model_and_data(replicas)
+  learner = _learner(checked, model, data, replicas, run_dir)
+  if learner.idle_drafter is not None:
+    print("compiling the online drafter's train and gate steps ...", file=sys.stderr)
+    learner.idle_drafter.spot.warm_up(learner.rollout_params)
+  return Run(learner=learner, val_items=data.val, model=model, spec=checked.spec,
+             data_counts=data.counts)
+
+
+def _check_flags(total_steps: int, replicas) -> _Checked:
+  """Every flag checked (one line naming a bad one) and turned into configs; loads nothing."""
+  from tlt_jax import optim
+  from tlt_jax.data.rl_data import parse_task_spec
+  from tlt_jax.models.loading import BUNDLED_SMOLLM2
+  from tlt_jax.rl.rewards import RewardSpec
+  from tlt_jax.rl.update import UpdateConfig
   from tlt_jax.rollout.buckets import round_up
-  from tlt_jax.sharding.rules import param_logical_axes, tree_shardings
 
   if total_steps < 1:
     raise UserInputError(f"--steps={total_steps}: must be >= 1")
-  replicas = replicas or Replicas()
   algo = algorithm_configs()
   reward_spec = RewardSpec(_REWARD.value, format_weight=_FORMAT_WEIGHT.value)
   if not _REWARD_TIMEOUT.value > 0:
@@ -340,24 +358,32 @@ def build_run(total_steps: int, replicas=None, run_dir: str | None = None) -> Ru
   if seq_len < _MAX_PROMPT_LEN.value + _MAX_NEW.value:
     raise UserInputError(f"--train_seq_len={seq_len}: shorter than --max_prompt_len + "
                          f"--max_new_tokens ({_MAX_PROMPT_LEN.value + _MAX_NEW.value})")
-  update_config = UpdateConfig(ppo_epochs=_PPO_EPOCHS.value, num_mini_batches=_MINI_BATCHES.value,
-                               micro_batch_rows=_MICRO_ROWS.value, train_seq_len=seq_len,
-                               remat=_REMAT.value)
-  optimizer_steps = total_steps * update_config.updates_per_step
+  update = UpdateConfig(ppo_epochs=_PPO_EPOCHS.value, num_mini_batches=_MINI_BATCHES.value,
+                        micro_batch_rows=_MICRO_ROWS.value, train_seq_len=seq_len,
+                        remat=_REMAT.value)
+  optimizer_steps = total_steps * update.updates_per_step
   schedule = optim.learning_rate_schedule(_LR.value, optimizer_steps, _WARMUP.value,
                                           schedule=_LR_SCHEDULE.value)
   optimizer = optim.make_optimizer(_LR.value, optimizer_steps, _WARMUP.value,
                                    weight_decay=_WEIGHT_DECAY.value, clip_norm=_GRAD_CLIP.value,
                                    b2=_ADAM_B2.value, schedule=_LR_SCHEDULE.value)
+  return _Checked(algo=algo, reward_spec=reward_spec, spec=spec, spot=spot, update=update,
+                  optimizer=optimizer, schedule=schedule)
+
+
+def _load_model_and_data(replicas):
+  """(the loaded model, its tokenized prompts), with the checks that need them."""
+  import jax.numpy as jnp
+
+  from tlt_jax.data.rl_data import load_rl_records, tokenize_rl_data
+  from tlt_jax.models.loading import load_model
 
   records = load_rl_records(seed=_SEED.value, tasks=_TASKS.value, train_file=_TRAIN_FILE.value,
                             val_file=_VAL_FILE.value, num_train=_NUM_TRAIN.value,
                             num_val=_NUM_VAL.value, on_bad_row=_ON_BAD_ROW.value)
-  dtype = jnp.dtype(_DTYPE.value)
   print(f"loading {_MODEL.value} ...", file=sys.stderr)
-  model = load_model(_MODEL.value, dtype=dtype)
-  tokenizer = model.require_tokenizer()
-  data = tokenize_rl_data(records, tokenizer, _MAX_PROMPT_LEN.value)
+  model = load_model(_MODEL.value, dtype=jnp.dtype(_DTYPE.value))
+  data = tokenize_rl_data(records, model.require_tokenizer(), _MAX_PROMPT_LEN.value)
   counts = data.counts
   print(f"data: {counts['num_train']} train / {counts['num_val']} val prompts "
         f"({counts['train_filtered'] + counts['val_filtered']} over --max_prompt_len, "
@@ -366,40 +392,50 @@ def build_run(total_steps: int, replicas=None, run_dir: str | None = None) -> Ru
     raise UserInputError(f"--prompts_per_step={_PROMPTS.value}: more than the "
                          f"{counts['num_train']} training prompts")
   check_replica_split(replicas, counts["num_val"])
-  stream = PromptStream(data.train, _PROMPTS.value, _SEED.value)
-  drafter = sd_flags.drafter_from_flags(spec, model.config, dtype)
+  return model, data
+
+
+def _learner(checked: _Checked, model, data, replicas, run_dir: str | None):
+  """The learner: policy state placed by the trainer's rules, reference, rollout settings,
+  drafter, reward workers and (with --drafter_train) the online drafter."""
+  import jax
+  import jax.numpy as jnp
+
+  from tlt_jax.data.rl_data import PromptStream
+  from tlt_jax.rl.learner import Learner, StepConfig
+  from tlt_jax.rl.rewards import RewardPool
+  from tlt_jax.rl.rollout import RolloutSettings
+  from tlt_jax.rl.update import UpdateContext, init_policy_state
+  from tlt_jax.sharding.rules import param_logical_axes, tree_shardings
+
+  tokenizer, algo = model.require_tokenizer(), checked.algo
+  drafter = sd_flags.drafter_from_flags(checked.spec, model.config, jnp.dtype(_DTYPE.value))
   eos_ids = tuple(sorted(set(model.config.eos_token_ids) | set(tokenizer.eos_token_ids)))
   rules = trainer_rules(replicas.count)
   # One process: the rollout runs on the trainer's devices, laid out by the same rules.
   rollout = RolloutSettings(group_size=_GROUP.value, max_new_tokens=_MAX_NEW.value,
-                            sampling=algo["sampling"], eos_ids=eos_ids, spec=spec,
+                            sampling=algo["sampling"], eos_ids=eos_ids, spec=checked.spec,
                             attention_impl=_ATTENTION.value,
                             min_row_tokens=_MAX_PROMPT_LEN.value + _MAX_NEW.value,
                             rules=replica_rules(replicas.count, rules),
-                            capture_hidden=spot is not None)
+                            capture_hidden=checked.spot is not None)
   context = UpdateContext(config=model.config, sampling=algo["sampling"], loss=algo["loss"],
-                          update=update_config, optimizer=optimizer, learning_rate=schedule,
-                          max_response_len=_MAX_NEW.value)
+                          update=checked.update, optimizer=checked.optimizer,
+                          learning_rate=checked.schedule, max_response_len=_MAX_NEW.value,
+                          rules=rules)
   params = jax.device_put(model.params, tree_shardings(param_logical_axes(model.config),
                                                        model.params, rules))
-  context = dataclasses.replace(context, rules=rules)
   # The reference is a copy: the policy's buffers are donated to each update.
   ref_params = jax.tree.map(jnp.copy, params) if algo["loss"].uses_reference else None
-  state = init_policy_state(params, context)
-  rewards = RewardPool(reward_spec, num_workers=_REWARD_WORKERS.value,
-                       timeout_s=_REWARD_TIMEOUT.value)
-  learner = Learner(config=model.config, tokenizer=tokenizer, state=state,
-                    ref_params=ref_params, stream=stream, rollout=rollout,
-                    step_config=StepConfig(prompts_per_step=_PROMPTS.value,
-                                           advantage=algo["advantage"],
-                                           overlong=algo["overlong"],
-                                           dynamic_sampling=_DYNAMIC.value,
-                                           max_rollout_batches=_MAX_BATCHES.value,
-                                           seed=_SEED.value),
-                    update=context, rewards=rewards, drafter=drafter,
-                    between_phases=host.return_free_heap, replicas=replicas,
-                    idle_drafter=idle_drafter(spot, model.config, drafter, replicas, run_dir))
-  if learner.idle_drafter is not None:
-    print("compiling the online drafter's train and gate steps ...", file=sys.stderr)
-    learner.idle_drafter.spot.warm_up(learner.rollout_params)
-  return Run(learner=learner, val_items=data.val, model=model, spec=spec, data_counts=counts)
+  step_config = StepConfig(prompts_per_step=_PROMPTS.value, advantage=algo["advantage"],
+                           overlong=algo["overlong"], dynamic_sampling=_DYNAMIC.value,
+                           max_rollout_batches=_MAX_BATCHES.value, seed=_SEED.value)
+  return Learner(config=model.config, tokenizer=tokenizer,
+                 state=init_policy_state(params, context), ref_params=ref_params,
+                 stream=PromptStream(data.train, _PROMPTS.value, _SEED.value), rollout=rollout,
+                 step_config=step_config, update=context,
+                 rewards=RewardPool(checked.reward_spec, num_workers=_REWARD_WORKERS.value,
+                                    timeout_s=_REWARD_TIMEOUT.value),
+                 drafter=drafter, between_phases=host.return_free_heap, replicas=replicas,
+                 idle_drafter=idle_drafter(checked.spot, model.config, drafter, replicas,
+                                           run_dir))
