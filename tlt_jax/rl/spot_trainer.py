@@ -183,7 +183,7 @@ class SpotTrainer:
     averaged = weighted_average(self.collective.allgather(mine), len(leaves))
     if averaged is None:
       return False
-    self._synced = jax.tree.map(np.array, jax.tree.unflatten(treedef, averaged))
+    self._synced = _host_copy(jax.tree.unflatten(treedef, averaged))
     self.state = jax.tree.map(jnp.asarray, self._synced)
     return True
 
