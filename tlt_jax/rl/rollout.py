@@ -38,6 +38,8 @@ class RolloutSettings:
   min_row_tokens: int = 0
   # The rollout replica's mesh and sharding rules (`weights.place_rollout`); None: one device.
   rules: MeshRules | None = None
+  # The most rows a rollout holds at once (`engine.generate`); None: every row at once.
+  max_rows: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +95,8 @@ def sample_groups(params: Params, config: ModelConfig, prompts: Sequence[Sequenc
                     buckets=settings.buckets, chunk_steps=settings.chunk_steps,
                     spec=settings.spec, drafter=drafter, memory=memory,
                     attention_impl=settings.attention_impl,
-                    min_row_tokens=settings.min_row_tokens, rules=settings.rules)
+                    min_row_tokens=settings.min_row_tokens, rules=settings.rules,
+                    max_rows=settings.max_rows)
   return GroupRollouts(
       prompts=rows,
       responses=[o.token_ids for o in result.outputs],
@@ -115,4 +118,5 @@ def precompile_rollouts(params: Params, config: ModelConfig, num_prompts: int,
                     buckets=settings.buckets, chunk_steps=settings.chunk_steps,
                     spec=settings.spec, drafter=drafter,
                     attention_impl=settings.attention_impl,
-                    min_row_tokens=settings.min_row_tokens, rules=settings.rules)
+                    min_row_tokens=settings.min_row_tokens, rules=settings.rules,
+                    max_rows=settings.max_rows)

@@ -20,8 +20,8 @@ from tlt_jax.models.kv_cache import init_cache
 from tlt_jax.models.transformer import Params
 from tlt_jax.rollout import decode
 from tlt_jax.rollout.buckets import BucketSpec
-from tlt_jax.rollout.engine import (Program, Rollout, compiled_programs, draft_pool,
-                                    prepare_rollout)
+from tlt_jax.rollout.engine import (Admission, Program, Rollout, compiled_programs,
+                                    draft_pool, prepare_rollout)
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.spec_config import SpecConfig
 from tlt_jax.rollout.weights import DraftWeights
@@ -36,7 +36,8 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
                drafter: DraftWeights | None = None, compact: bool = True,
                attention_impl: str = "auto", min_row_tokens: int = 0,
                group_ids: Sequence[int] | None = None,
-               draft_context: Sequence[Sequence[int]] | None = None) -> int:
+               draft_context: Sequence[Sequence[int]] | None = None,
+               max_rows: int | None = None) -> int:
   """Compiles every program `generate` can dispatch with these arguments, for any prompts
   that give the same rollout plan (batch bucket, padded prompt length, cache length,
   distinct prompts per prefill group; model-free: the same pool shapes from group_ids and
@@ -46,7 +47,7 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
       params, config, prompts, max_new_tokens=max_new_tokens, spec=spec, drafter=drafter,
       eos_ids=eos_ids, group_ids=group_ids, draft_context=draft_context, rules=rules,
       attention_impl=attention_impl, buckets=buckets, min_row_tokens=min_row_tokens,
-      sampling=sampling, chunk_steps=chunk_steps, compact=compact)
+      sampling=sampling, chunk_steps=chunk_steps, compact=compact, max_rows=max_rows)
   builder = _Builder(rollout, len(prompts), groups, extras)
   for program in rollout.programs():
     builder.build(program)
@@ -83,6 +84,16 @@ class _Builder:
           jnp.ones((count,), jnp.int32), jnp.zeros((group_rows,), jnp.int32), jnp.int32(0),
           rules=rollout.rules, **rollout.static)
     self.states["decode", batch] = state
+
+  def _admit(self, program: Program) -> None:
+    # Every row of the unit bound for no row (past the batch): nothing changes.
+    unit = self.rollout.buckets.prefill_group_rows(program.batch)
+    ints = lambda shape, value: np.full(shape, value, np.int32)
+    key = "decode", program.batch
+    self.states[key] = self.rollout.admit(self.states[key], Admission(
+        tokens=ints((program.distinct, program.size), 0), lengths=ints(program.distinct, 1),
+        sources=ints(unit, 0), rows=ints(unit, program.batch), caps=ints(unit, 1),
+        prompts=ints(unit, -1)))
 
   def _compact(self, program: Program, kind: str = "decode") -> None:
     source = self.states[kind, program.batch]
