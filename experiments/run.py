@@ -17,7 +17,8 @@ import time
 from absl import flags
 
 from experiments import cli
-from experiments.rl_flags import build_run, check_run_dir
+from experiments import budget_flags
+from experiments.rl_flags import build_run, check_run_dir, memory_plan
 from tlt_jax.errors import UserInputError
 
 _STEPS = flags.DEFINE_integer("steps", 10, "RL steps to train.")
@@ -59,6 +60,20 @@ def default_run_dir(argv: list[str]) -> str:
   return os.path.join("runs", name)
 
 
+def check_memory() -> int | None:
+  """The memory plan (experiments.plan's), checked before anything loads; returns the
+  rollout's row budget (None: every row at once)."""
+  from tlt_jax.rl.memory_plan import GIB, check
+
+  plan, _ = memory_plan()
+  check(plan)
+  budget = budget_flags.MAX_ROWS.value or budget_flags.KV_FRACTION.value
+  print(f"memory plan: rollout {plan.rollout_peak / GIB:.1f} GiB, update "
+        f"{plan.train_peak() / GIB:.1f} GiB of {plan.shape.device_bytes / GIB:.1f} GiB per "
+        f"device; at most {plan.max_rows} rollout rows at once", file=sys.stderr)
+  return plan.max_rows if budget else None
+
+
 def main(argv):
   del argv
   from tlt_jax.rl.checkpointing import RunCheckpoints
@@ -79,7 +94,8 @@ def main(argv):
   if resume_step is not None and resume_step >= _STEPS.value:
     print(f"{run_dir}: already at step {resume_step} of {_STEPS.value}", file=sys.stderr)
 
-  run = build_run(total_steps=_STEPS.value)           # every flag checked, model and data loaded
+  max_rows = check_memory()
+  run = build_run(_STEPS.value, max_rows)      # every flag checked, model and data loaded
   learner, val_items = run.learner, run.val_items
   history: list = []
   if resume_step is not None:
