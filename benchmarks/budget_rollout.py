@@ -7,7 +7,7 @@
 Prints JSON: --prompts reasoning prompts x --samples each (GRPO groups), up to
 --max_new_tokens greedy tokens, once with every row at once and once with at most
 --max_rows rows (the rest admitted as rows finish). Both sides' programs are compiled
-first (`precompile`), then the sides alternate (A B A B, `ab.alternate`): wall time
+first (`precompile`; or an untimed warm-up round), then the sides alternate (A B A B, `ab.alternate`): wall time
 medians and the paired ratio, the KV cache each side holds, whether the greedy tokens are
 identical, and the admission waves. --plot draws live rows (and prompts waiting) over time
 of the last round of each side.
@@ -35,6 +35,10 @@ _MAX_ROWS = flags.DEFINE_integer("max_rows", 32, "The budget side's row budget."
                                  lower_bound=1)
 _REPEATS = flags.DEFINE_integer("repeats", 2, "Alternated rounds (A B per round).",
                                 lower_bound=1)
+_PRECOMPILE = flags.DEFINE_bool(
+    "precompile", True, "Compile both sides' program pools first; off: an untimed warm-up "
+    "round instead (greedy rounds dispatch the same programs), which holds one rollout's "
+    "memory at a time rather than the pool builder's states of every batch bucket.")
 _SEED = flags.DEFINE_integer("seed", 12345, "Prompt seed (held out from drafter training).")
 _OUTPUT = flags.DEFINE_string("output", None, "Also write the JSON here.")
 _PLOT = flags.DEFINE_string("plot", None, "Write the live-rows PNG here.")
@@ -89,7 +93,7 @@ def main(argv):
   sides = {"unbounded": None, "budget": _MAX_ROWS.value}
   start = time.perf_counter()
   compiled = {name: precompile(params, model.config, rows, max_rows=max_rows, **settings)
-              for name, max_rows in sides.items()}
+              for name, max_rows in sides.items()} if _PRECOMPILE.value else None
   log(f"precompiled {compiled} programs in {time.perf_counter() - start:.0f} s")
 
   def run(max_rows, number):
@@ -100,7 +104,8 @@ def main(argv):
     return seconds, result
 
   rounds = ab.alternate({name: (lambda number, m=max_rows: run(m, number))
-                         for name, max_rows in sides.items()}, _REPEATS.value, warmup=0)
+                         for name, max_rows in sides.items()}, _REPEATS.value,
+                        warmup=0 if _PRECOMPILE.value else 1)
   seconds = {name: [s for s, _ in ab.side(rounds, name)] for name in sides}
   results = {name: [r for _, r in ab.side(rounds, name)] for name in sides}
   tokens = lambda result: [o.token_ids for o in result.outputs]
