@@ -129,3 +129,24 @@ def test_sampling_under_a_budget_has_the_unbounded_distribution():
   assert p_value >= 1e-3, p_value
   # Not a constant: samples differ between rows admitted in one wave.
   assert len(budgeted) > 20
+
+
+def test_generate_cli_budget(tiny_hf_dirs, tmp_path):
+  """`experiments.generate --rollout_max_rows=1`: the unbounded greedy outputs; the two
+  budget flags together are refused in one line."""
+  from tests.test_generate_cli import PROMPTS, _run
+  flags = ("--temperature=0", "--max_new_tokens=12")
+  hf_dir = tiny_hf_dirs["llama"]
+  rc, err, unbounded = _run(tmp_path, hf_dir, PROMPTS, *flags, name="unbounded")
+  assert rc == 0, err
+  rc, err, budgeted = _run(tmp_path, hf_dir, PROMPTS, *flags, "--rollout_max_rows=1",
+                           name="budget")
+  assert rc == 0, err
+  assert [o["token_ids"] for o in budgeted["outputs"]] == [
+      o["token_ids"] for o in unbounded["outputs"]]
+  assert budgeted["stats"]["rollout/max_rows"] == 1
+  assert budgeted["stats"]["rollout/admission_waves"] == 1
+  rc, err, _ = _run(tmp_path, hf_dir, PROMPTS, *flags, "--rollout_max_rows=1",
+                    "--kv_cache_memory_fraction=0.5", name="both")
+  assert rc == 2 and err.strip().splitlines() == [
+      "error: --rollout_max_rows=1 and --kv_cache_memory_fraction=0.5: set one of them"]
