@@ -11,7 +11,7 @@ from typing import Any
 
 from absl import flags
 
-from experiments import drafter_flags, sd_flags
+from experiments import budget_flags, drafter_flags, sd_flags
 from tlt_jax.errors import UserInputError
 from tlt_jax.runtime import host
 
@@ -102,7 +102,8 @@ _TP = flags.DEFINE_integer("tp", 1, "Trainer mesh: tensor-parallel ways (heads, 
 # Flags that may change when a run resumes; every other must match the checkpoint's.
 RESUMABLE_CHANGES = ("steps", "run_dir", "resume", "checkpoint_every", "keep_checkpoints",
                      "eval_every", "export_hf", "reward_workers", "reward_timeout_s", "flagfile",
-                     "precompile")
+                     "precompile", "rollout_max_rows", "kv_cache_memory_fraction",
+                     "device_memory_gib")
 
 
 def check_run_dir(run_dir: str) -> None:
@@ -120,7 +121,7 @@ def check_run_dir(run_dir: str) -> None:
 def run_flags() -> dict[str, Any]:
   """Every flag of a run (this module's and the SD flags), by name: what a checkpoint
   records."""
-  return {f.name: f.value for module in (__name__, sd_flags.__name__)
+  return {f.name: f.value for module in (__name__, sd_flags.__name__, budget_flags.__name__)
           for f in flags.FLAGS.get_flags_for_module(module)}
 
 
@@ -210,6 +211,45 @@ def replica_rules(processes: int, trainer):
   return MeshRules(make_mesh(len(local) // _TP.value, _TP.value, local))
 
 
+def train_seq_len() -> int:
+  """--train_seq_len, or max_prompt_len + max_new_tokens rounded up to 64."""
+  from tlt_jax.rollout.buckets import round_up
+  seq_len = _TRAIN_SEQ_LEN.value or round_up(_MAX_PROMPT_LEN.value + _MAX_NEW.value, 64)
+  if seq_len < _MAX_PROMPT_LEN.value + _MAX_NEW.value:
+    raise UserInputError(f"--train_seq_len={seq_len}: shorter than --max_prompt_len + "
+                         f"--max_new_tokens ({_MAX_PROMPT_LEN.value + _MAX_NEW.value})")
+  return seq_len
+
+
+def memory_plan(replicas: int = 1):
+  """The run's per-device memory plan (`rl.memory_plan`), from the flags and the model's
+  config alone (no weights read): what experiments.plan prints and experiments.run checks
+  before it loads anything. replicas: the run's rollout replicas (processes), each sampling
+  its block of a step's groups and of the validation set (`rl.replicas.Replicas.block`)."""
+  import jax
+
+  from tlt_jax.models.known_configs import config_without_weights
+  from tlt_jax.rl.memory_plan import RunShape, plan_memory
+  from tlt_jax.rl.replicas import Replicas
+
+  budget_flags.check_budget_flags()
+  config, source = config_without_weights(_MODEL.value)
+  spec = sd_flags.spec_from_flags(_SEED.value)
+  device_bytes, memory_source = budget_flags.device_memory()
+  fsdp = _FSDP.value or max(len(jax.devices()) // _TP.value, 1)
+  block = Replicas(count=replicas).max_block
+  shape = RunShape(
+      config=config, dtype=_DTYPE.value, fsdp=fsdp, tp=_TP.value,
+      rollout_rows=max(block(_PROMPTS.value) * _GROUP.value, block(_NUM_VAL.value)),
+      max_prompt_len=_MAX_PROMPT_LEN.value, max_new_tokens=_MAX_NEW.value,
+      micro_batch_rows=_MICRO_ROWS.value, train_seq_len=train_seq_len(), remat=_REMAT.value,
+      reference=_KL_COEF.value > 0, spec=spec,
+      drafter=spec is not None and spec.learned, max_rows=budget_flags.MAX_ROWS.value,
+      kv_fraction=budget_flags.KV_FRACTION.value, device_bytes=device_bytes,
+      capture_hidden=drafter_flags.TRAIN.value != "off", replicas=replicas)
+  return plan_memory(shape), {"model config": source, "device memory": memory_source}
+
+
 def algorithm_configs():
   """The frozen configs of the step's algorithm, from flags (cheap: checked first)."""
   from tlt_jax.rl.config import AdvantageConfig, LossConfig, OverlongConfig
@@ -279,9 +319,10 @@ def straggler_seconds(replica: int) -> float:
     raise UserInputError(f"{STRAGGLER_ENV}={value!r}: expected REPLICA:SECONDS") from None
 
 
-def build_run(total_steps: int, replicas=None) -> Run:
+def build_run(total_steps: int, replicas=None, max_rows: int | None = None) -> Run:
   """Checks every flag, then loads the model, data, drafter and reward workers; `replicas`
-  (`rl.replicas.Replicas`, default one): this process's rollout replica of the job's."""
+  (`rl.replicas.Replicas`, default one): this process's rollout replica of the job's;
+  max_rows: the rollout's row budget (`memory_plan`)."""
   import jax
   import jax.numpy as jnp
 
@@ -294,7 +335,6 @@ def build_run(total_steps: int, replicas=None) -> Run:
   from tlt_jax.rl.rewards import RewardPool, RewardSpec
   from tlt_jax.rl.rollout import RolloutSettings
   from tlt_jax.rl.update import UpdateConfig, UpdateContext, init_policy_state
-  from tlt_jax.rollout.buckets import round_up
   from tlt_jax.sharding.rules import param_logical_axes, tree_shardings
 
   if total_steps < 1:
@@ -313,10 +353,7 @@ def build_run(total_steps: int, replicas=None) -> Run:
       raise UserInputError(f"--{flag.name}={flag.value}: no such file")
   spec = sd_flags.spec_from_flags(_SEED.value)
   spot = spot_from_flags(spec, algo, replicas)
-  seq_len = _TRAIN_SEQ_LEN.value or round_up(_MAX_PROMPT_LEN.value + _MAX_NEW.value, 64)
-  if seq_len < _MAX_PROMPT_LEN.value + _MAX_NEW.value:
-    raise UserInputError(f"--train_seq_len={seq_len}: shorter than --max_prompt_len + "
-                         f"--max_new_tokens ({_MAX_PROMPT_LEN.value + _MAX_NEW.value})")
+  seq_len = train_seq_len()
   update_config = UpdateConfig(ppo_epochs=_PPO_EPOCHS.value, num_mini_batches=_MINI_BATCHES.value,
                                micro_batch_rows=_MICRO_ROWS.value, train_seq_len=seq_len,
                                remat=_REMAT.value)
@@ -353,7 +390,7 @@ def build_run(total_steps: int, replicas=None) -> Run:
                             attention_impl=_ATTENTION.value,
                             min_row_tokens=_MAX_PROMPT_LEN.value + _MAX_NEW.value,
                             rules=replica_rules(replicas.count, rules),
-                            capture_hidden=spot is not None)
+                            capture_hidden=spot is not None, max_rows=max_rows)
   context = UpdateContext(config=model.config, sampling=algo["sampling"], loss=algo["loss"],
                           update=update_config, optimizer=optimizer, learning_rate=schedule,
                           max_response_len=_MAX_NEW.value)

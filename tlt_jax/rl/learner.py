@@ -325,6 +325,9 @@ def rollout_stats(stats: dict) -> dict[str, Any]:
          "rollout/generated_tokens": stats["generated_tokens"],
          "rollout/tokens_per_s": stats["tokens_per_s"],
          "compile/rollout_new_programs": stats["compile/new_programs"]}
+  # The row budget (--rollout_max_rows): rows held at most and the refills.
+  out.update({key: stats[key] for key in ("rollout/max_rows", "rollout/peak_rows",
+                                          "rollout/admission_waves", "rollout/kv_cache_bytes")})
   for key in ("spec/accept_len", "spec/enabled_frac", "spec/verify_steps", "spec/strategy"):
     if key in stats:
       out[key] = stats[key]

@@ -41,6 +41,8 @@ class RolloutSettings:
   # Hand back the target's hidden states of every rollout (`GroupRollouts.hidden_states`),
   # as drafter training data; off, the rollout keeps none of them past its SD switch.
   capture_hidden: bool = False
+  # The most rows a rollout holds at once (`engine.generate`); None: every row at once.
+  max_rows: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +107,7 @@ def sample_groups(params: Params, config: ModelConfig, prompts: Sequence[Sequenc
                     spec=settings.spec, drafter=drafter, memory=memory,
                     attention_impl=settings.attention_impl,
                     min_row_tokens=settings.min_row_tokens, rules=settings.rules,
-                    capture_hidden=settings.capture_hidden)
+                    capture_hidden=settings.capture_hidden, max_rows=settings.max_rows)
   return GroupRollouts(
       prompts=rows,
       responses=[o.token_ids for o in result.outputs],
@@ -130,4 +132,4 @@ def precompile_rollouts(params: Params, config: ModelConfig, num_prompts: int,
                     spec=settings.spec, drafter=drafter,
                     attention_impl=settings.attention_impl,
                     min_row_tokens=settings.min_row_tokens, rules=settings.rules,
-                    capture_hidden=settings.capture_hidden)
+                    capture_hidden=settings.capture_hidden, max_rows=settings.max_rows)
