@@ -18,8 +18,10 @@ from tlt_jax.runtime import host
 # ---- model and data
 _MODEL = flags.DEFINE_string("model", "smollm2", "Policy: HF dir, converted checkpoint dir, "
                              ".gguf file, or 'smollm2' (bundled SmolLM2-135M-Instruct).")
-_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Params and compute "
-                           "dtype (CPU: keep float32, bfloat16 is slower there).")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype of "
+                           "the rollout and the update (bfloat16 on GPU/TPU: over float32 "
+                           "master weights and AdamW state, tlt_jax/rl/precision.py; CPU: keep "
+                           "float32, bfloat16 is slower there).")
 _TASKS = flags.DEFINE_string("tasks", None, "reasoning-gym tasks, mixed: "
                              "'task[:key=value,...][;task...]'.")
 _TRAIN_FILE = flags.DEFINE_string("train_file", None, "JSONL or parquet prompts in the RL "
@@ -167,9 +169,11 @@ class Run:
                              f"{saved.get(name)!r}; resume with the same flag")
 
   def export_hf(self, params, out_dir: str) -> None:
+    """The policy as a HF checkpoint, in the run's --dtype (the master weights cast)."""
     from tlt_jax.models.hf import save_hf_dir
-    save_hf_dir(params, self.model.config, out_dir, overwrite=True,
-                tokenizer=self.model.tokenizer)
+    from tlt_jax.rl.precision import compute_params
+    save_hf_dir(compute_params(params, _DTYPE.value), self.model.config, out_dir,
+                overwrite=True, tokenizer=self.model.tokenizer)
 
 
 def trainer_rules(processes: int = 1):
@@ -331,6 +335,7 @@ def build_run(total_steps: int, replicas=None, max_rows: int | None = None) -> R
                                     tokenize_rl_data)
   from tlt_jax.models.loading import BUNDLED_SMOLLM2, load_model
   from tlt_jax.rl.learner import Learner, StepConfig
+  from tlt_jax.rl.precision import compute_params
   from tlt_jax.rl.replicas import Replicas
   from tlt_jax.rl.rewards import RewardPool, RewardSpec
   from tlt_jax.rl.rollout import RolloutSettings
@@ -368,8 +373,9 @@ def build_run(total_steps: int, replicas=None, max_rows: int | None = None) -> R
                             val_file=_VAL_FILE.value, num_train=_NUM_TRAIN.value,
                             num_val=_NUM_VAL.value, on_bad_row=_ON_BAD_ROW.value)
   dtype = jnp.dtype(_DTYPE.value)
+  compute_dtype = None if dtype == jnp.float32 else _DTYPE.value
   print(f"loading {_MODEL.value} ...", file=sys.stderr)
-  model = load_model(_MODEL.value, dtype=dtype)
+  model = load_model(_MODEL.value, dtype=jnp.float32)     # the master weights (rl.precision)
   tokenizer = model.require_tokenizer()
   data = tokenize_rl_data(records, tokenizer, _MAX_PROMPT_LEN.value)
   counts = data.counts
@@ -393,12 +399,14 @@ def build_run(total_steps: int, replicas=None, max_rows: int | None = None) -> R
                             capture_hidden=spot is not None, max_rows=max_rows)
   context = UpdateContext(config=model.config, sampling=algo["sampling"], loss=algo["loss"],
                           update=update_config, optimizer=optimizer, learning_rate=schedule,
-                          max_response_len=_MAX_NEW.value)
+                          max_response_len=_MAX_NEW.value, compute_dtype=compute_dtype)
   params = jax.device_put(model.params, tree_shardings(param_logical_axes(model.config),
                                                        model.params, rules))
   context = dataclasses.replace(context, rules=rules)
-  # The reference is a copy: the policy's buffers are donated to each update.
-  ref_params = jax.tree.map(jnp.copy, params) if algo["loss"].uses_reference else None
+  # The reference is a copy (in the compute dtype): the policy's buffers are donated to
+  # each update.
+  ref_params = (jax.tree.map(jnp.copy, compute_params(params, compute_dtype))
+                if algo["loss"].uses_reference else None)
   state = init_policy_state(params, context)
   rewards = RewardPool(reward_spec, num_workers=_REWARD_WORKERS.value,
                        timeout_s=_REWARD_TIMEOUT.value)

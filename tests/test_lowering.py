@@ -135,11 +135,15 @@ def test_the_pallas_kernel_lowers_to_mosaic_in_every_tpu_rollout_program():
 
 
 def _lower_micro_step(platform: str, dtype) -> str:
-  params = _params(dtype)[0]
+  """A micro-step as a run computing in `dtype` makes it: float32 master weights, the
+  forward cast to `dtype` (`rl.precision`)."""
+  params = _params(jnp.float32)[0]
   rows = empty_rows(1, 128, 16)   # over cpu_attention.MAX_NEW_TOKENS: self-attention
+  compute_dtype = None if dtype == jnp.float32 else jnp.dtype(dtype).name
   return accumulate_grads.trace(
       params, zero_grads(params), rows, config=CONFIG, sampling=SamplingParams(),
-      loss=LossConfig()).lower(lowering_platforms=(platform,)).as_text()
+      loss=LossConfig(), compute_dtype=compute_dtype).lower(
+          lowering_platforms=(platform,)).as_text()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

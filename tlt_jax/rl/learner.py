@@ -254,7 +254,8 @@ class Learner:
   def sync_weights(self, params: Params) -> Params:
     """New policy -> the rollout engine, with no recompilation (`lay_out_for_rollout`);
     with several replicas each takes its own copy of the replicated policy."""
-    return lay_out_for_rollout(local_copy(params), self.config, self.rollout)
+    return lay_out_for_rollout(local_copy(params), self.config, self.rollout,
+                               self.update.compute_dtype)
 
   def evaluate(self, val_items: Sequence, step: int) -> dict[str, float]:
     """Greedy answers to the held-out prompts: `val/reward`, `val/accuracy`, and both per

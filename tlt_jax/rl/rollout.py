@@ -13,6 +13,7 @@ import numpy as np
 
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.transformer import Params
+from tlt_jax.rl.precision import compute_params
 from tlt_jax.rollout.buckets import BucketSpec
 from tlt_jax.rollout.engine import generate
 from tlt_jax.rollout.spec_config import SpecConfig, SpecMemory
@@ -87,12 +88,13 @@ def concat_rollouts(parts: Sequence[GroupRollouts]) -> GroupRollouts:
           h for part in parts for h in part.hidden_states])
 
 
-def lay_out_for_rollout(params: Params, config: ModelConfig, settings: RolloutSettings
-                        ) -> Params:
-  """The policy in the engine's layout: per layer, on the rollout's mesh
+def lay_out_for_rollout(params: Params, config: ModelConfig, settings: RolloutSettings,
+                        compute_dtype: str | None = None) -> Params:
+  """The policy in the engine's layout: in compute_dtype (None: as it is; a bfloat16 copy
+  of float32 master weights, `precision`), per layer, on the rollout's mesh
   (`weights.place_rollout`). Every step gives the same shapes and shardings, so the
   rollout's compiled programs serve each new policy as they are."""
-  return place_rollout(params, config, None, settings.rules)[0]
+  return place_rollout(compute_params(params, compute_dtype), config, None, settings.rules)[0]
 
 
 def sample_groups(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int]],
