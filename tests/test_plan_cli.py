@@ -48,7 +48,7 @@ def test_a_run_that_cannot_fit_is_refused_before_loading(tmp_path):
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --rollout_max_rows"), lines
-    assert "at most 1184 rows fit" in lines[0]
+    assert "at most 1096 rows fit" in lines[0]
     assert seconds < 10, seconds
   # The refusals name the flag that fixes each part.
   proc = _cli("experiments.plan", flagfile, "--micro_batch_rows=64")
@@ -69,11 +69,18 @@ def test_plan_sizes_match_the_arrays():
   config, source = config_without_weights("checkpoints/Qwen2.5-1.5B-Instruct")
   assert "known architecture" in source
   plan = plan_memory(_shape(config))
-  params = jax.eval_shape(lambda: transformer.init_params(config, jax.random.key(0),
-                                                          jnp.bfloat16))
-  assert plan.params == sum(x.size * 2 for x in jax.tree.leaves(params))
+  params = jax.eval_shape(lambda: transformer.init_params(config, jax.random.key(0)))
+  # bfloat16 compute over float32 master weights (`rl.precision`): the policy state is
+  # float32, the rollout's and the update's copies bfloat16.
+  assert plan.params == sum(x.size * 4 for x in jax.tree.leaves(params))
+  assert plan.optimizer == plan.grads == 2 * plan.params
+  assert plan.rollout_weights == plan.update_weights == plan.params // 2
   # ModelConfig.num_params counts all but the q/k/v biases.
-  assert 0 < plan.params - 2 * config.num_params < 1e-4 * plan.params
+  assert 0 < plan.params - 4 * config.num_params < 1e-4 * plan.params
+  # float32: no copy for the update; the rollout copies the layers into its layout.
+  fp32 = plan_memory(_shape(config, dtype="float32"))
+  assert fp32.params == plan.params and fp32.update_weights == 0
+  assert fp32.rollout_weights == sum(x.size * 4 for x in jax.tree.leaves(params["layers"]))
   # A cache of 512 slots (100 + 400 tokens, one page up); every row at once.
   assert plan.per_row == kv_bytes_per_row(config, 512, jnp.bfloat16) + 8 * 400
   assert plan.max_rows == 64 and plan.kv_cache == 64 * plan.per_row

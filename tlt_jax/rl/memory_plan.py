@@ -2,10 +2,11 @@
 
 An RL step has two phases that never hold their working sets at once: the rollout (the
 policy laid out for it, the KV cache of at most `max_rows` rows, the drafter's cache once
-SD is on) and the update (gradients and the micro-batch's activations). Both sit on the
-state that stays for the whole run: params, AdamW moments (in the params' dtype), the
-reference model with KL on, and a learned drafter with its AdamW state. A run fits when
-either phase's peak fits a device.
+SD is on) and the update (gradients, a bfloat16 run's compute copy of the weights, and the
+micro-batch's activations). Both sit on the state that stays for the whole run: the
+policy's float32 master weights and AdamW moments (`rl.precision`), the reference model
+(in the compute dtype) with KL on, and a learned drafter with its AdamW state. A run fits
+when each phase's peak fits a device.
 
 Sizes come from the same definitions the run uses: param shapes from `jax.eval_shape` of
 the model's init, split per device by the run's sharding rules on an abstract mesh of
@@ -128,7 +129,9 @@ class MemoryPlan:
   optimizer: int
   reference: int
   drafter: int               # drafter params + AdamW moments
-  rollout_weights: int       # the policy's layers copied into the rollout's layout
+  rollout_weights: int       # the policy's copy for the rollout (its layers, or all of it
+                             # in the compute dtype)
+  update_weights: int        # the update's compute-dtype copy of the params (0 in float32)
   drafter_cache: int         # the drafter's KV cache at the SD batch
   per_row: int               # one rollout row (KV cache, outputs, hidden record)
   grads: int                 # the accumulator and one micro-batch's gradient
@@ -150,7 +153,8 @@ class MemoryPlan:
 
   def train_peak(self, remat: bool | None = None) -> int:
     remat = self.shape.remat if remat is None else remat
-    return self.resident + self.grads + self.activations["remat" if remat else "no_remat"]
+    return (self.resident + self.grads + self.update_weights
+            + self.activations["remat" if remat else "no_remat"])
 
   @property
   def waves(self) -> int:
@@ -164,11 +168,6 @@ def plan_memory(shape: RunShape) -> MemoryPlan:
   of the largest rollout at once."""
   config, rules, rollout_rules = shape.config, shape.rules, shape.rollout_rules
   dtype = jnp.dtype(shape.dtype)
-  params_shapes = jax.eval_shape(lambda: transformer.init_params(config, jax.random.key(0),
-                                                                 dtype))
-  params = sharded_bytes(params_shapes, param_logical_axes(config), rules)
-  layers = sharded_bytes(params_shapes["layers"], param_logical_axes(config)["layers"],
-                         rollout_rules)
   drafter = 0
   if shape.drafter:
     draft_shapes = jax.eval_shape(lambda: drafter_lib.init_drafter_params(
@@ -184,14 +183,32 @@ def plan_memory(shape: RunShape) -> MemoryPlan:
   sd_rows = BucketSpec().batch_bucket(shape.spec.threshold) if learned else 0
   drafter_cache = sd_rows * kv_bytes_per_row(drafter_lib.drafter_layer_config(config),
                                              shape.cache_len, dtype) // kv_split
-  plan = MemoryPlan(shape=shape, params=params, optimizer=2 * params,
-                    reference=params if shape.reference else 0, drafter=drafter,
-                    rollout_weights=layers, drafter_cache=drafter_cache, per_row=per_row,
-                    grads=2 * params, activations=_activations(shape), max_rows=0,
-                    row_shards=row_shards)
+  plan = MemoryPlan(shape=shape, **_policy_weights(shape), drafter=drafter,
+                    drafter_cache=drafter_cache, per_row=per_row,
+                    activations=_activations(shape), max_rows=0, row_shards=row_shards)
   max_rows = _max_rows(plan)
   return dataclasses.replace(plan, max_rows=max_rows,
                              row_shards=_shard(rollout_rules, "batch", max(max_rows, 1)))
+
+
+def _policy_weights(shape: RunShape) -> dict[str, int]:
+  """The policy's bytes per device: float32 master weights, their AdamW moments and
+  gradients (the accumulator and a micro-batch's), the reference model and the copies the
+  forwards read. A float32 run's rollout copies only the layers (into its per-layer
+  layout); a bfloat16 run's rollout and update each read a bfloat16 copy of it all."""
+  config, axes = shape.config, param_logical_axes(shape.config)
+  in_dtype = lambda dtype: jax.eval_shape(
+      lambda: transformer.init_params(config, jax.random.key(0), dtype))
+  master, computed = in_dtype(jnp.float32), in_dtype(jnp.dtype(shape.dtype))
+  params = sharded_bytes(master, axes, shape.rules)
+  copy = sharded_bytes(computed, axes, shape.rules)
+  mixed = jnp.dtype(shape.dtype) != jnp.float32
+  return dict(params=params, optimizer=2 * params, grads=2 * params,
+              reference=copy if shape.reference else 0,
+              rollout_weights=(sharded_bytes(computed, axes, shape.rollout_rules) if mixed
+                               else sharded_bytes(master["layers"], axes["layers"],
+                                                  shape.rollout_rules)),
+              update_weights=copy if mixed else 0)
 
 
 def _max_rows(plan: MemoryPlan) -> int:
@@ -265,15 +282,16 @@ def describe(plan: MemoryPlan) -> list[str]:
   return [
       f"per device ({shape.fsdp} fsdp x {shape.tp} tp, {shape.device_bytes / GIB:.1f} GiB "
       f"each; {shape.dtype}{replicas}):",
-      f"  params                  {gib(plan.params)}",
+      f"  params (float32 master) {gib(plan.params)}",
       f"  optimizer state (AdamW) {gib(plan.optimizer)}",
       f"  reference model         {gib(plan.reference)}",
       f"  drafter + its AdamW     {gib(plan.drafter)}",
-      f"  rollout: policy layers  {gib(plan.rollout_weights)}",
+      f"  rollout: policy weights {gib(plan.rollout_weights)}",
       f"  rollout: KV cache       {gib(plan.kv_cache)}  ({plan.max_rows} rows x "
       f"{shape.cache_len} slots, {plan.per_row / 2**20:.1f} MiB a row per device)",
       f"  rollout: drafter cache  {gib(plan.drafter_cache)}",
       f"  update: gradients       {gib(plan.grads)}",
+      f"  update: compute weights {gib(plan.update_weights)}",
       f"  update: activations     {gib(act['remat'])} with remat, {gib(act['no_remat'])} "
       f"without ({shape.micro_batch_rows} rows x {shape.train_seq_len} tokens per micro-batch)",
       f"  peak: rollout {gib(plan.rollout_peak)}, update {gib(plan.train_peak())}"
