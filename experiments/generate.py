@@ -15,7 +15,7 @@ import time
 
 from absl import flags
 
-from experiments import cli, sd_flags
+from experiments import budget_flags, cli, sd_flags
 from tlt_jax.errors import UserInputError
 
 _MODEL = flags.DEFINE_string("model", "smollm2", "HF dir, converted checkpoint dir, .gguf file, "
@@ -102,6 +102,32 @@ def load_memory(spec):
   return memory
 
 
+def max_rows_for(model, drafter, token_lists, spec) -> int | None:
+  """The rollout's row budget: --rollout_max_rows, or the rows --kv_cache_memory_fraction
+  of the device memory left after the loaded weights holds (None: every row at once)."""
+  import jax
+
+  from tlt_jax.rollout.budget import row_bytes, rows_within
+  from tlt_jax.rollout.buckets import BucketSpec
+  from tlt_jax.rollout.engine import cache_length
+
+  if not budget_flags.KV_FRACTION.value:
+    return budget_flags.MAX_ROWS.value or None
+  buckets = BucketSpec()
+  longest = max(len(t) for t in token_lists)
+  cache_len = cache_length(longest + _MAX_NEW.value, buckets.prompt_length(longest), spec,
+                           buckets)
+  weights = sum(x.nbytes for x in jax.tree.leaves((model.params, drafter)))
+  device_bytes, _ = budget_flags.device_memory()
+  per_row = row_bytes(model.config, cache_len, _MAX_NEW.value, model.params["embed"].dtype,
+                      spec is not None and spec.learned)
+  rows = rows_within(budget_flags.KV_FRACTION.value * (device_bytes - weights), per_row)
+  if rows < 1:
+    raise UserInputError(f"--kv_cache_memory_fraction={budget_flags.KV_FRACTION.value}: "
+                         f"holds no row of {per_row / 2**20:.1f} MiB")
+  return rows
+
+
 def main(argv):
   del argv
   import jax.numpy as jnp
@@ -115,6 +141,7 @@ def main(argv):
                             top_k=_TOP_K.value)
   # Cheap checks before the model loads: a bad flag should not cost a minute.
   spec = sd_flags.spec_from_flags(_SEED.value)
+  budget_flags.check_budget_flags()
   memory = load_memory(spec)
   prompts = read_prompts(_PROMPTS.value)
   cli.check_output_file(_OUTPUT.value, "--output_json")
@@ -130,7 +157,8 @@ def main(argv):
   if model.tokenizer is not None:
     eos_ids |= set(model.tokenizer.eos_token_ids)
   rollout = dict(max_new_tokens=_MAX_NEW.value, sampling=sampling, eos_ids=tuple(eos_ids),
-                 spec=spec, drafter=drafter, attention_impl=_ATTENTION.value)
+                 spec=spec, drafter=drafter, attention_impl=_ATTENTION.value,
+                 max_rows=max_rows_for(model, drafter, token_lists, spec))
   precompiled = {}
   if _PRECOMPILE.value:
     print("precompiling the rollout's programs ...", file=sys.stderr)

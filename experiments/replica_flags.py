@@ -31,3 +31,9 @@ def start_processes() -> Processes:
                      num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value,
                      cluster=_CLUSTER.value, exit_timeout_s=_EXIT_TIMEOUT.value)
   return Processes(plan).start()
+
+
+def planned_replicas() -> int:
+  """The rollout replicas a run of these flags has, before any process starts (for
+  experiments.plan): --replicas, or a joined job's --num_processes."""
+  return _NUM_PROCESSES.value or _REPLICAS.value

@@ -11,15 +11,17 @@ from typing import Any
 
 from absl import flags
 
-from experiments import drafter_flags, sd_flags
+from experiments import budget_flags, drafter_flags, sd_flags
 from tlt_jax.errors import UserInputError
 from tlt_jax.runtime import host
 
 # ---- model and data
 _MODEL = flags.DEFINE_string("model", "smollm2", "Policy: HF dir, converted checkpoint dir, "
                              ".gguf file, or 'smollm2' (bundled SmolLM2-135M-Instruct).")
-_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Params and compute "
-                           "dtype (CPU: keep float32, bfloat16 is slower there).")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype of "
+                           "the rollout and the update (bfloat16 on GPU/TPU: over float32 "
+                           "master weights and AdamW state, tlt_jax/rl/precision.py; CPU: keep "
+                           "float32, bfloat16 is slower there).")
 _TASKS = flags.DEFINE_string("tasks", None, "reasoning-gym tasks, mixed: "
                              "'task[:key=value,...][;task...]'.")
 _TRAIN_FILE = flags.DEFINE_string("train_file", None, "JSONL or parquet prompts in the RL "
@@ -102,7 +104,8 @@ _TP = flags.DEFINE_integer("tp", 1, "Trainer mesh: tensor-parallel ways (heads, 
 # Flags that may change when a run resumes; every other must match the checkpoint's.
 RESUMABLE_CHANGES = ("steps", "run_dir", "resume", "checkpoint_every", "keep_checkpoints",
                      "eval_every", "export_hf", "reward_workers", "reward_timeout_s", "flagfile",
-                     "precompile")
+                     "precompile", "rollout_max_rows", "kv_cache_memory_fraction",
+                     "device_memory_gib")
 
 
 def check_run_dir(run_dir: str) -> None:
@@ -120,7 +123,7 @@ def check_run_dir(run_dir: str) -> None:
 def run_flags() -> dict[str, Any]:
   """Every flag of a run (this module's and the SD flags), by name: what a checkpoint
   records."""
-  return {f.name: f.value for module in (__name__, sd_flags.__name__)
+  return {f.name: f.value for module in (__name__, sd_flags.__name__, budget_flags.__name__)
           for f in flags.FLAGS.get_flags_for_module(module)}
 
 
@@ -183,9 +186,11 @@ class Run:
                              f"{saved.get(name)!r}; resume with the same flag")
 
   def export_hf(self, params, out_dir: str) -> None:
+    """The policy as a HF checkpoint, in the run's --dtype (the master weights cast)."""
     from tlt_jax.models.hf import save_hf_dir
-    save_hf_dir(params, self.model.config, out_dir, overwrite=True,
-                tokenizer=self.model.tokenizer)
+    from tlt_jax.rl.precision import compute_params
+    save_hf_dir(compute_params(params, _DTYPE.value), self.model.config, out_dir,
+                overwrite=True, tokenizer=self.model.tokenizer)
 
 
 def trainer_rules(processes: int = 1):
@@ -225,6 +230,45 @@ def replica_rules(processes: int, trainer):
     raise UserInputError(f"--tp={_TP.value}: does not divide this process's "
                          f"{len(local)} devices")
   return MeshRules(make_mesh(len(local) // _TP.value, _TP.value, local))
+
+
+def train_seq_len() -> int:
+  """--train_seq_len, or max_prompt_len + max_new_tokens rounded up to 64."""
+  from tlt_jax.rollout.buckets import round_up
+  seq_len = _TRAIN_SEQ_LEN.value or round_up(_MAX_PROMPT_LEN.value + _MAX_NEW.value, 64)
+  if seq_len < _MAX_PROMPT_LEN.value + _MAX_NEW.value:
+    raise UserInputError(f"--train_seq_len={seq_len}: shorter than --max_prompt_len + "
+                         f"--max_new_tokens ({_MAX_PROMPT_LEN.value + _MAX_NEW.value})")
+  return seq_len
+
+
+def memory_plan(replicas: int = 1):
+  """The run's per-device memory plan (`rl.memory_plan`), from the flags and the model's
+  config alone (no weights read): what experiments.plan prints and experiments.run checks
+  before it loads anything. replicas: the run's rollout replicas (processes), each sampling
+  its block of a step's groups and of the validation set (`rl.replicas.Replicas.block`)."""
+  import jax
+
+  from tlt_jax.models.known_configs import config_without_weights
+  from tlt_jax.rl.memory_plan import RunShape, plan_memory
+  from tlt_jax.rl.replicas import Replicas
+
+  budget_flags.check_budget_flags()
+  config, source = config_without_weights(_MODEL.value)
+  spec = sd_flags.spec_from_flags(_SEED.value)
+  device_bytes, memory_source = budget_flags.device_memory()
+  fsdp = _FSDP.value or max(len(jax.devices()) // _TP.value, 1)
+  block = Replicas(count=replicas).max_block
+  shape = RunShape(
+      config=config, dtype=_DTYPE.value, fsdp=fsdp, tp=_TP.value,
+      rollout_rows=max(block(_PROMPTS.value) * _GROUP.value, block(_NUM_VAL.value)),
+      max_prompt_len=_MAX_PROMPT_LEN.value, max_new_tokens=_MAX_NEW.value,
+      micro_batch_rows=_MICRO_ROWS.value, train_seq_len=train_seq_len(), remat=_REMAT.value,
+      reference=_KL_COEF.value > 0, spec=spec,
+      drafter=spec is not None and spec.learned, max_rows=budget_flags.MAX_ROWS.value,
+      kv_fraction=budget_flags.KV_FRACTION.value, device_bytes=device_bytes,
+      capture_hidden=drafter_flags.TRAIN.value != "off", replicas=replicas)
+  return plan_memory(shape), {"model config": source, "device memory": memory_source}
 
 
 def algorithm_configs():
@@ -313,16 +357,18 @@ class _Checked:
   schedule: Any
 
 
-def build_run(total_steps: int, replicas=None, run_dir: str | None = None) -> Run:
+def build_run(total_steps: int, replicas=None, run_dir: str | None = None,
+              max_rows: int | None = None) -> Run:
   """Checks every flag, then loads the model, data, drafter and reward workers; `replicas`
   (`rl.replicas.Replicas`, default one): this process's rollout replica of the job's;
-  `run_dir`: where checkpoints go (None: the run is not checkpointed)."""
+  `run_dir`: where checkpoints go (None: the run is not checkpointed); `max_rows`: the
+  rollout's row budget (`memory_plan`)."""
   from tlt_jax.rl.replicas import Replicas
 
   replicas = replicas or Replicas()
   checked = _check_flags(total_steps, replicas)
   model, data = _load_model_and_data(replicas)
-  learner = _learner(checked, model, data, replicas, run_dir)
+  learner = _learner(checked, model, data, replicas, run_dir, max_rows)
   if learner.idle_drafter is not None:
     print("compiling the online drafter's train and gate steps ...", file=sys.stderr)
     learner.idle_drafter.spot.warm_up(learner.rollout_params)
@@ -337,7 +383,6 @@ def _check_flags(total_steps: int, replicas) -> _Checked:
   from tlt_jax.models.loading import BUNDLED_SMOLLM2
   from tlt_jax.rl.rewards import RewardSpec
   from tlt_jax.rl.update import UpdateConfig
-  from tlt_jax.rollout.buckets import round_up
 
   if total_steps < 1:
     raise UserInputError(f"--steps={total_steps}: must be >= 1")
@@ -354,10 +399,7 @@ def _check_flags(total_steps: int, replicas) -> _Checked:
       raise UserInputError(f"--{flag.name}={flag.value}: no such file")
   spec = sd_flags.spec_from_flags(_SEED.value)
   spot = spot_from_flags(spec, algo, replicas)
-  seq_len = _TRAIN_SEQ_LEN.value or round_up(_MAX_PROMPT_LEN.value + _MAX_NEW.value, 64)
-  if seq_len < _MAX_PROMPT_LEN.value + _MAX_NEW.value:
-    raise UserInputError(f"--train_seq_len={seq_len}: shorter than --max_prompt_len + "
-                         f"--max_new_tokens ({_MAX_PROMPT_LEN.value + _MAX_NEW.value})")
+  seq_len = train_seq_len()
   update = UpdateConfig(ppo_epochs=_PPO_EPOCHS.value, num_mini_batches=_MINI_BATCHES.value,
                         micro_batch_rows=_MICRO_ROWS.value, train_seq_len=seq_len,
                         remat=_REMAT.value)
@@ -382,7 +424,7 @@ def _load_model_and_data(replicas):
                             val_file=_VAL_FILE.value, num_train=_NUM_TRAIN.value,
                             num_val=_NUM_VAL.value, on_bad_row=_ON_BAD_ROW.value)
   print(f"loading {_MODEL.value} ...", file=sys.stderr)
-  model = load_model(_MODEL.value, dtype=jnp.dtype(_DTYPE.value))
+  model = load_model(_MODEL.value, dtype=jnp.float32)     # the master weights (rl.precision)
   data = tokenize_rl_data(records, model.require_tokenizer(), _MAX_PROMPT_LEN.value)
   counts = data.counts
   print(f"data: {counts['num_train']} train / {counts['num_val']} val prompts "
@@ -395,7 +437,8 @@ def _load_model_and_data(replicas):
   return model, data
 
 
-def _learner(checked: _Checked, model, data, replicas, run_dir: str | None):
+def _learner(checked: _Checked, model, data, replicas, run_dir: str | None,
+             max_rows: int | None):
   """The learner: policy state placed by the trainer's rules, reference, rollout settings,
   drafter, reward workers and (with --drafter_train) the online drafter."""
   import jax
@@ -403,13 +446,16 @@ def _learner(checked: _Checked, model, data, replicas, run_dir: str | None):
 
   from tlt_jax.data.rl_data import PromptStream
   from tlt_jax.rl.learner import Learner, StepConfig
+  from tlt_jax.rl.precision import compute_params
   from tlt_jax.rl.rewards import RewardPool
   from tlt_jax.rl.rollout import RolloutSettings
   from tlt_jax.rl.update import UpdateContext, init_policy_state
   from tlt_jax.sharding.rules import param_logical_axes, tree_shardings
 
   tokenizer, algo = model.require_tokenizer(), checked.algo
-  drafter = sd_flags.drafter_from_flags(checked.spec, model.config, jnp.dtype(_DTYPE.value))
+  dtype = jnp.dtype(_DTYPE.value)
+  compute_dtype = None if dtype == jnp.float32 else _DTYPE.value
+  drafter = sd_flags.drafter_from_flags(checked.spec, model.config, dtype)
   eos_ids = tuple(sorted(set(model.config.eos_token_ids) | set(tokenizer.eos_token_ids)))
   rules = trainer_rules(replicas.count)
   # One process: the rollout runs on the trainer's devices, laid out by the same rules.
@@ -418,15 +464,17 @@ def _learner(checked: _Checked, model, data, replicas, run_dir: str | None):
                             attention_impl=_ATTENTION.value,
                             min_row_tokens=_MAX_PROMPT_LEN.value + _MAX_NEW.value,
                             rules=replica_rules(replicas.count, rules),
-                            capture_hidden=checked.spot is not None)
+                            capture_hidden=checked.spot is not None, max_rows=max_rows)
   context = UpdateContext(config=model.config, sampling=algo["sampling"], loss=algo["loss"],
                           update=checked.update, optimizer=checked.optimizer,
                           learning_rate=checked.schedule, max_response_len=_MAX_NEW.value,
-                          rules=rules)
+                          rules=rules, compute_dtype=compute_dtype)
   params = jax.device_put(model.params, tree_shardings(param_logical_axes(model.config),
                                                        model.params, rules))
-  # The reference is a copy: the policy's buffers are donated to each update.
-  ref_params = jax.tree.map(jnp.copy, params) if algo["loss"].uses_reference else None
+  # The reference is a copy (in the compute dtype): the policy's buffers are donated to
+  # each update.
+  ref_params = (jax.tree.map(jnp.copy, compute_params(params, compute_dtype))
+                if algo["loss"].uses_reference else None)
   step_config = StepConfig(prompts_per_step=_PROMPTS.value, advantage=algo["advantage"],
                            overlong=algo["overlong"], dynamic_sampling=_DYNAMIC.value,
                            max_rollout_batches=_MAX_BATCHES.value, seed=_SEED.value)

@@ -19,8 +19,8 @@ import time
 
 from absl import flags
 
-from experiments import cli, replica_flags
-from experiments.rl_flags import build_run, check_run_dir
+from experiments import budget_flags, cli, replica_flags
+from experiments.rl_flags import build_run, check_run_dir, memory_plan
 from tlt_jax.errors import UserInputError
 
 _STEPS = flags.DEFINE_integer("steps", 10, "RL steps to train.")
@@ -64,6 +64,24 @@ def default_run_dir(argv: list[str]) -> str:
   return os.path.join("runs", name)
 
 
+def check_memory(processes) -> int | None:
+  """The memory plan (experiments.plan's), checked once in every process before anything
+  loads (each refuses a run that cannot fit: the same plan everywhere) and printed by
+  process 0; returns the rollout's row budget (None: every row at once)."""
+  from tlt_jax.rl.memory_plan import GIB, check
+
+  plan, _ = memory_plan(processes.count)
+  check(plan)
+  if processes.primary:
+    per_replica = " per replica" if processes.count > 1 else ""
+    print(f"memory plan: rollout {plan.rollout_peak / GIB:.1f} GiB, update "
+          f"{plan.train_peak() / GIB:.1f} GiB of {plan.shape.device_bytes / GIB:.1f} GiB per "
+          f"device; at most {plan.max_rows} rollout rows at once{per_replica}",
+          file=sys.stderr)
+  budget = budget_flags.MAX_ROWS.value or budget_flags.KV_FRACTION.value
+  return plan.max_rows if budget else None
+
+
 def main(argv):
   del argv
   processes = replica_flags.start_processes()       # before anything imports jax
@@ -93,6 +111,7 @@ def train(processes) -> None:
   check_run_dir(run_dir)
   if _EXPORT_HF.value:
     cli.check_output_dir(_EXPORT_HF.value, "--export_hf")
+  max_rows = check_memory(processes)
   checkpoints = RunCheckpoints(os.path.join(run_dir, "checkpoints"), keep=_KEEP.value)
   processes.settle_before_exit("the checkpoint in flight", checkpoints.wait)
   resume_step = checkpoints.latest_step() if _RESUME.value == "auto" else None
@@ -104,7 +123,8 @@ def train(processes) -> None:
     print(f"{run_dir}: already at step {resume_step} of {_STEPS.value}", file=sys.stderr)
 
   run = build_run(total_steps=_STEPS.value,          # every flag checked, model and data loaded
-                  replicas=Replicas(processes.index, processes.count), run_dir=run_dir)
+                  replicas=Replicas(processes.index, processes.count), run_dir=run_dir,
+                  max_rows=max_rows)
   history: list = []
   if resume_step is not None:
     history = run.resume(checkpoints, resume_step)

@@ -121,6 +121,30 @@ def test_captured_hidden_states_match_a_plain_forward(kind, temperature):
                                atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ["plain", "learned"])
+def test_budgeted_capture_equals_unbounded_capture(kind):
+  """Under a budget of 2 rows the prompts wait and are admitted into rows that finished
+  (whose record held another prompt's states): every row's hidden states are still the
+  unbounded rollout's (float32, greedy), admission prefills recording them as prefill
+  does."""
+  spec = _spec(kind)
+  kwargs = dict(max_new_tokens=CAPS, sampling=SamplingParams(temperature=0.0),
+                buckets=BUCKETS, chunk_steps=2, spec=spec, capture_hidden=True,
+                drafter=DRAFTER if spec is not None else None)
+  unbounded = generate(PARAMS, CONFIG, PROMPTS, memory=_memory(spec), **kwargs)
+  budgeted = generate(PARAMS, CONFIG, PROMPTS, max_rows=2, memory=_memory(spec), **kwargs)
+  assert budgeted.stats["rollout/peak_rows"] == 2
+  assert budgeted.stats["rollout/admission_waves"] >= 2
+  assert budgeted.stats["compile/unlisted"] == []
+  if spec is not None:
+    assert budgeted.stats["spec/verify_steps"] > 0
+  for prompt, got, want in zip(PROMPTS, budgeted.outputs, unbounded.outputs):
+    assert got.token_ids == want.token_ids
+    assert got.hidden_states.shape == (len(prompt) + len(got.token_ids) - 1,
+                                       CONFIG.hidden_size)
+    np.testing.assert_allclose(got.hidden_states, want.hidden_states, atol=1e-4, rtol=0)
+
+
 def test_group_rollouts_carry_each_rows_hidden_states():
   """The RL rollout stage hands the states on per row, and its group selections keep them
   with their rows."""

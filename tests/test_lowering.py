@@ -1,5 +1,5 @@
 """GPU and TPU lowering on a CPU-only machine: every program of a small rollout (prefill,
-compaction, plain decode chunks, the SD switch, learned-tree, model-free and hybrid chain
+admission into freed rows under a row budget, compaction, plain decode chunks, the SD switch, learned-tree, model-free and hybrid chain
 verify chunks; `Rollout.programs` enumerates them, so new programs are covered) and one
 training micro-step, lowered for cuda and tpu in float32 and bfloat16 with the kernels
 `auto` picks there. A lowered program must hold no CPU-only custom call (the C++ kernels'
@@ -70,21 +70,23 @@ def _params(dtype) -> tuple:
 
 
 def _rollout(platform: str, dtype, attention_impl: str = "auto"):
-  """A rollout that reaches every kind of program: 4 prompts in groups of 2 compacting from
-  batch 4 to 2 and 1, SD on at 2 rows with a pool of a learned tree, a model-free chain and
-  a hybrid chain."""
+  """A rollout that reaches every kind of program: 6 prompts in groups of 2 under a budget
+  of 4 rows (the third group admitted into rows that finish), compacting from batch 4 to 2
+  and 1, SD on at 2 rows with a pool of a learned tree, a model-free chain and a hybrid
+  chain."""
   params, drafter_params = _params(dtype)
   drafter = DraftWeights(drafter_params)
   strategies = parse_strategies("learned:3_2_5,ngram:3_1_4,hybrid:3_1_4")
   spec = SpecConfig(bandit=BanditConfig(strategies), ngram_config=NgramConfig(),
                     hybrid=HybridConfig(), threshold=2, patience=1)
-  prompts = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [6, 7, 8], [6, 7, 8]]
+  prompts = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [6, 7, 8], [6, 7, 8], [9, 10], [9, 10]]
   return prepare_rollout(
       params, CONFIG, prompts, max_new_tokens=12, spec=spec, drafter=drafter, eos_ids=(0,),
-      group_ids=[0, 0, 1, 1], draft_context=None, rules=None, attention_impl=attention_impl,
+      group_ids=[0, 0, 1, 1, 2, 2], draft_context=None, rules=None,
+      attention_impl=attention_impl,
       buckets=BucketSpec(batch_buckets=(1, 2, 4), cache_page=32, prompt_page=8),
       min_row_tokens=0, sampling=SamplingParams(temperature=1.0), chunk_steps=2,
-      compact=True, platform=platform)
+      compact=True, platform=platform, max_rows=4)
 
 
 @functools.cache
@@ -101,7 +103,7 @@ def _lowered(dtype: str, attention_impl: str = "auto", platforms=("cuda", "tpu")
 def _attends(program) -> bool:
   """Whether a program runs the model's attention (compaction and a model-free switch do
   not)."""
-  return program.kind in ("prefill", "decode", "spec") or (
+  return program.kind in ("prefill", "admit", "decode", "spec") or (
       program.kind == "switch" and program.size > 0)
 
 
@@ -109,7 +111,7 @@ def _attends(program) -> bool:
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_every_rollout_program_lowers_with_the_kernels_auto_picks(platform, dtype):
   programs, lowered = _lowered(dtype)
-  assert {p.kind for p in programs} == {"prefill", "compact", "decode", "switch",
+  assert {p.kind for p in programs} == {"prefill", "admit", "compact", "decode", "switch",
                                         "spec_compact", "spec"}
   assert {s.drafter for p in programs if p.kind == "spec" for s in [p.strategy]} == {
       "learned", "ngram", "hybrid"}
@@ -133,11 +135,15 @@ def test_the_pallas_kernel_lowers_to_mosaic_in_every_tpu_rollout_program():
 
 
 def _lower_micro_step(platform: str, dtype) -> str:
-  params = _params(dtype)[0]
+  """A micro-step as a run computing in `dtype` makes it: float32 master weights, the
+  forward cast to `dtype` (`rl.precision`)."""
+  params = _params(jnp.float32)[0]
   rows = empty_rows(1, 128, 16)   # over cpu_attention.MAX_NEW_TOKENS: self-attention
+  compute_dtype = None if dtype == jnp.float32 else jnp.dtype(dtype).name
   return accumulate_grads.trace(
       params, zero_grads(params), rows, config=CONFIG, sampling=SamplingParams(),
-      loss=LossConfig()).lower(lowering_platforms=(platform,)).as_text()
+      loss=LossConfig(), compute_dtype=compute_dtype).lower(
+          lowering_platforms=(platform,)).as_text()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

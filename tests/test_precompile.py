@@ -83,10 +83,13 @@ def check_rollouts_after_precompile_compile_nothing(spec_kind: str,
     spec = SpecConfig(bandit=BanditConfig(parse_strategies(pool), epsilon=1.0, seed=3),
                       threshold=4, patience=1)
     drafter = DraftWeights(drafter_lib.init_drafter_params(config, jax.random.key(1)))
+  # "budget": the learned pool with at most 4 rows at once, the rest admitted into rows
+  # that finish (the admission programs are listed and built too).
+  max_rows = 4 if spec_kind == "budget" else None
   kwargs = dict(max_new_tokens=[60, 5, 40, 9, 2, 33, 12, 60, 20],
                 sampling=SamplingParams(temperature=0.0), eos_ids=(7,), buckets=BUCKETS,
                 chunk_steps=3, spec=spec, drafter=drafter, capture_hidden=capture_hidden,
-                **model_free)
+                max_rows=max_rows, **model_free)
   # What SD learns (the bandit's rewards) carries over the rollouts below, as in a run.
   memory = None if spec is None else SpecMemory(spec)
   prompts = prompts_of((5, 9, 3, 12, 7, 4, 6, 8, 10), seed=0)
@@ -94,7 +97,8 @@ def check_rollouts_after_precompile_compile_nothing(spec_kind: str,
   if memory is not None and memory.bandit is not None:
     assert memory.bandit.summary() == StrategyBandit(spec.bandit).summary()  # untouched
   assert precompile(params, config, prompts, **kwargs) == 0
-  plan = plan_rollout(prompts, kwargs["max_new_tokens"], config, BUCKETS, spec, (7,))
+  buckets = BUCKETS.capped(max_rows)
+  plan = plan_rollout(prompts, kwargs["max_new_tokens"], config, buckets, spec, (7,))
   strategies_played = set()
   for seed in range(3):
     # Other prompts with the same plan: the longest (12) still pads to 16, and the longest
@@ -102,13 +106,15 @@ def check_rollouts_after_precompile_compile_nothing(spec_kind: str,
     lengths = np.random.RandomState(seed).randint(1, 9, 9)
     lengths[3], lengths[7] = 12, 8
     others = prompts_of(lengths, seed=10 + seed)
-    assert plan_rollout(others, kwargs["max_new_tokens"], config, BUCKETS, spec, (7,)) == plan
+    assert plan_rollout(others, kwargs["max_new_tokens"], config, buckets, spec, (7,)) == plan
     result = generate(params, config, others, seed=seed, memory=memory, **kwargs)
     assert result.stats["compile/new_programs"] == 0, (seed, result.stats)
     # Every program the rollout ran is one `Rollout.programs` lists (so precompile built it).
     assert result.stats["compile/unlisted"] == [], (seed, result.stats["compile/unlisted"])
     assert len(result.stats["rollout/batch_buckets"]) >= 2       # compaction happened
     assert all((out.hidden_states is not None) == capture_hidden for out in result.outputs)
+    if max_rows:
+      assert result.stats["rollout/admission_waves"] >= 2
     if use_spec:
       assert result.stats["spec/verify_steps"] > 0
       strategies_played.update(result.stats["spec/strategy_chunks"])
@@ -120,7 +126,7 @@ def check_rollouts_after_precompile_compile_nothing(spec_kind: str,
 # checked with the kinds a run can pair it with (no SD, learned, mixed pools).
 @pytest.mark.parametrize("spec_kind,capture_hidden", [
     ("none", False), ("learned", False), ("ngram", False), ("hybrid", False), ("mixed", False),
-    ("none", True), ("learned", True), ("mixed", True)])
+    ("budget", False), ("none", True), ("learned", True), ("mixed", True), ("budget", True)])
 def test_rollouts_after_precompile_compile_nothing(spec_kind, capture_hidden):
   code = ("from tests.test_precompile import check_rollouts_after_precompile_compile_nothing "
           f"as check; check({spec_kind!r}, {capture_hidden!r})")

@@ -95,6 +95,11 @@ def load_gguf(path: str, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
   return config, params
 
 
+def gguf_config(path: str) -> ModelConfig:
+  """The model config a GGUF file's metadata describes, without reading its tensors."""
+  return _config_from_metadata(open_gguf(path), path)
+
+
 def _unpermute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
   """Inverse of convert_hf_to_gguf's `permute`: per head, rows (pairs, 2) -> (2, pairs)."""
   rows = w.shape[0]

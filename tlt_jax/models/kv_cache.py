@@ -115,6 +115,16 @@ class KVCache:
         (0, row_start, 0, slot_start, 0))
     return self.map(put, new_k, new_v)
 
+  def write_rows(self, new_k: jax.Array, new_v: jax.Array, rows: jax.Array,
+                 sources: jax.Array) -> "KVCache":
+    """Writes a prefill's new K/V [L, U, T, K, D] at slots 0..T-1 of the batch rows `rows`
+    [G], row rows[i] getting new row sources[i]; rows past the batch are dropped (they pad
+    `rows` to a fixed size). Lengths are unchanged. Unlike `write_prefix`, the rows need
+    not be adjacent: continuous admission refills whichever rows have finished."""
+    put = lambda buf, new: buf.at[:, rows, :, :new.shape[2]].set(
+        new[:, sources].transpose(0, 1, 3, 2, 4).astype(buf.dtype), mode="drop")
+    return self.map(put, new_k, new_v)
+
   def laid_out(self, rules: MeshRules | None) -> "KVCache":
     """The buffers laid out by CACHE_AXES, as `init_cache` places them (see
     `decode.lay_out`)."""

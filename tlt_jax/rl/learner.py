@@ -254,7 +254,8 @@ class Learner:
   def sync_weights(self, params: Params) -> Params:
     """New policy -> the rollout engine, with no recompilation (`lay_out_for_rollout`);
     with several replicas each takes its own copy of the replicated policy."""
-    return lay_out_for_rollout(local_copy(params), self.config, self.rollout)
+    return lay_out_for_rollout(local_copy(params), self.config, self.rollout,
+                               self.update.compute_dtype)
 
   def evaluate(self, val_items: Sequence, step: int) -> dict[str, float]:
     """Greedy answers to the held-out prompts: `val/reward`, `val/accuracy`, and both per
@@ -327,6 +328,9 @@ def rollout_stats(stats: dict) -> dict[str, Any]:
          "rollout/generated_tokens": stats["generated_tokens"],
          "rollout/tokens_per_s": stats["tokens_per_s"],
          "compile/rollout_new_programs": stats["compile/new_programs"]}
+  # The row budget (--rollout_max_rows): rows held at most and the refills.
+  out.update({key: stats[key] for key in ("rollout/max_rows", "rollout/peak_rows",
+                                          "rollout/admission_waves", "rollout/kv_cache_bytes")})
   for key in ("spec/accept_len", "spec/enabled_frac", "spec/verify_steps", "spec/strategy"):
     if key in stats:
       out[key] = stats[key]

@@ -16,6 +16,7 @@ from tlt_jax import ops, reference_ops
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.transformer import Params, forward_packed, lm_logits
 from tlt_jax.rl.batching import TrainRows
+from tlt_jax.rl.precision import compute_params
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.sharding.rules import MeshRules, spans_devices
 
@@ -47,9 +48,11 @@ def logprob_and_entropy(logits: jax.Array, tokens: jax.Array, sampling: Sampling
   return reference_ops.token_logprobs(logits, tokens, sampling.logprob_temperature)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "sampling", "rules"))
+@functools.partial(jax.jit, static_argnames=("config", "sampling", "rules", "compute_dtype"))
 def score_rows(params: Params, rows: TrainRows, *, config: ModelConfig,
-               sampling: SamplingParams, rules: MeshRules | None = None) -> jax.Array:
+               sampling: SamplingParams, rules: MeshRules | None = None,
+               compute_dtype: str | None = None) -> jax.Array:
   """Log-probs [R, T] without a gradient: the reference policy's, or the old policy's
-  when a step makes several updates."""
-  return token_logprobs(params, config, rows, sampling, rules)[0]
+  when a step makes several updates; computed in compute_dtype (None: the params')."""
+  return token_logprobs(compute_params(params, compute_dtype), config, rows, sampling,
+                        rules)[0]

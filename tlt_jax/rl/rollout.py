@@ -13,6 +13,7 @@ import numpy as np
 
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.transformer import Params
+from tlt_jax.rl.precision import compute_params
 from tlt_jax.rollout.buckets import BucketSpec
 from tlt_jax.rollout.engine import generate
 from tlt_jax.rollout.spec_config import SpecConfig, SpecMemory
@@ -41,6 +42,8 @@ class RolloutSettings:
   # Hand back the target's hidden states of every rollout (`GroupRollouts.hidden_states`),
   # as drafter training data; off, the rollout keeps none of them past its SD switch.
   capture_hidden: bool = False
+  # The most rows a rollout holds at once (`engine.generate`); None: every row at once.
+  max_rows: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,12 +88,13 @@ def concat_rollouts(parts: Sequence[GroupRollouts]) -> GroupRollouts:
           h for part in parts for h in part.hidden_states])
 
 
-def lay_out_for_rollout(params: Params, config: ModelConfig, settings: RolloutSettings
-                        ) -> Params:
-  """The policy in the engine's layout: per layer, on the rollout's mesh
+def lay_out_for_rollout(params: Params, config: ModelConfig, settings: RolloutSettings,
+                        compute_dtype: str | None = None) -> Params:
+  """The policy in the engine's layout: in compute_dtype (None: as it is; a bfloat16 copy
+  of float32 master weights, `precision`), per layer, on the rollout's mesh
   (`weights.place_rollout`). Every step gives the same shapes and shardings, so the
   rollout's compiled programs serve each new policy as they are."""
-  return place_rollout(params, config, None, settings.rules)[0]
+  return place_rollout(compute_params(params, compute_dtype), config, None, settings.rules)[0]
 
 
 def sample_groups(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int]],
@@ -105,7 +109,7 @@ def sample_groups(params: Params, config: ModelConfig, prompts: Sequence[Sequenc
                     spec=settings.spec, drafter=drafter, memory=memory,
                     attention_impl=settings.attention_impl,
                     min_row_tokens=settings.min_row_tokens, rules=settings.rules,
-                    capture_hidden=settings.capture_hidden)
+                    capture_hidden=settings.capture_hidden, max_rows=settings.max_rows)
   return GroupRollouts(
       prompts=rows,
       responses=[o.token_ids for o in result.outputs],
@@ -130,4 +134,4 @@ def precompile_rollouts(params: Params, config: ModelConfig, num_prompts: int,
                     spec=settings.spec, drafter=drafter,
                     attention_impl=settings.attention_impl,
                     min_row_tokens=settings.min_row_tokens, rules=settings.rules,
-                    capture_hidden=settings.capture_hidden)
+                    capture_hidden=settings.capture_hidden, max_rows=settings.max_rows)

@@ -2,9 +2,10 @@
 
 Each token carries its mini-batch aggregation weight (`losses.sequence_weights`), so the
 sum of micro-batch losses is the mini-batch loss exactly and accumulation needs no
-rescaling. Programs: `accumulate_grads` and `score_rows` per micro-batch shape,
-`apply_grads` once; all are counted by `compiled_programs` and built ahead by
-`precompile_training`.
+rescaling. With a compute dtype (bfloat16) each forward runs in it over the float32 master
+weights, while gradients and AdamW state stay float32 (`precision`). Programs:
+`accumulate_grads` and `score_rows` per micro-batch shape, `apply_grads` once; all are
+counted by `compiled_programs` and built ahead by `precompile_training`.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from tlt_jax.rl.batching import (Sequences, TrainRows, empty_rows, gather_respon
 from tlt_jax.rl.config import LossConfig
 from tlt_jax.rl.logprobs import score_rows
 from tlt_jax.rl.losses import policy_loss, sequence_weights
+from tlt_jax.rl.precision import compute_params
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.sharding.rules import MeshRules, param_logical_axes, tree_shardings
 
@@ -67,8 +69,11 @@ def place_state(state: PolicyState, optimizer: optax.GradientTransformation,
       step=pin(state.step, replicated))
 
 
-def _micro_loss(params, rows: TrainRows, config, sampling, loss, rules, remat):
-  logp, entropy = logprobs.token_logprobs(params, config, rows, sampling, rules, remat)
+def _micro_loss(params, rows: TrainRows, config, sampling, loss, rules, remat, compute_dtype):
+  # The cast is inside the differentiated function: the gradient reaches the master weights
+  # in their own dtype.
+  logp, entropy = logprobs.token_logprobs(compute_params(params, compute_dtype), config, rows,
+                                          sampling, rules, remat)
   value, metrics = policy_loss(
       logp, rows.old_logp, rows.advantages, rows.loss_weights, rows.metric_weights, loss,
       ref_logp=rows.ref_logp if loss.uses_reference else None, entropy=entropy,
@@ -82,15 +87,17 @@ def _micro_loss(params, rows: TrainRows, config, sampling, loss, rules, remat):
   return value, metrics
 
 
-@functools.partial(jax.jit, static_argnames=("config", "sampling", "loss", "rules", "remat"),
+@functools.partial(jax.jit, static_argnames=("config", "sampling", "loss", "rules", "remat",
+                                             "compute_dtype"),
                    donate_argnames=("grads",))
 def accumulate_grads(params: Params, grads: Params, rows: TrainRows, *, config: ModelConfig,
                      sampling: SamplingParams, loss: LossConfig,
-                     rules: MeshRules | None = None, remat: bool = False
-                     ) -> tuple[Params, dict[str, jax.Array]]:
-  """grads + d(micro-batch loss)/d(params), and the micro-batch's metric sums."""
+                     rules: MeshRules | None = None, remat: bool = False,
+                     compute_dtype: str | None = None) -> tuple[Params, dict[str, jax.Array]]:
+  """grads + d(micro-batch loss)/d(params), and the micro-batch's metric sums; the forward
+  runs in compute_dtype (None: the params' dtype), the gradient comes in the params'."""
   micro_grads, metrics = jax.grad(_micro_loss, has_aux=True)(params, rows, config, sampling,
-                                                             loss, rules, remat)
+                                                             loss, rules, remat, compute_dtype)
   return jax.tree.map(jnp.add, grads, micro_grads), metrics
 
 
@@ -139,7 +146,8 @@ def precompile_training(state: PolicyState, ctx: "UpdateContext") -> int:
   before = compiled_programs()
   score = ctx.loss.uses_reference or ctx.update.updates_per_step > 1
   grads = zero_grads(state.params)
-  static = dict(config=ctx.config, sampling=ctx.sampling, rules=ctx.rules)
+  static = dict(config=ctx.config, sampling=ctx.sampling, rules=ctx.rules,
+                compute_dtype=ctx.compute_dtype)
   for count, scored in possible_shapes(ctx.update.micro_batch_rows, ctx.update.train_seq_len):
     rows = empty_rows(count, ctx.update.train_seq_len, scored)
     accumulate_grads.lower(state.params, grads, rows, loss=ctx.loss, remat=ctx.update.remat,
@@ -187,6 +195,9 @@ class UpdateContext:
   learning_rate: optax.Schedule      # the optimizer's, by optimizer step, for metrics
   max_response_len: int
   rules: MeshRules | None = None
+  # The dtype every forward computes in over the params (float32 master weights), e.g.
+  # "bfloat16" on accelerators (`precision`); None: the params' own.
+  compute_dtype: str | None = None
 
 
 def score_sequences(params: Params, sequences: Sequences, ctx: UpdateContext
@@ -194,7 +205,7 @@ def score_sequences(params: Params, sequences: Sequences, ctx: UpdateContext
   """Per-sequence log-probs of every response token under `params` (no gradient)."""
   layout = pack(sequences, range(len(sequences)), ctx.update.train_seq_len)
   values = [score_rows(params, rows, config=ctx.config, sampling=ctx.sampling,
-                       rules=ctx.rules)
+                       rules=ctx.rules, compute_dtype=ctx.compute_dtype)
             for rows in micro_batches(layout, sequences, ctx.update.micro_batch_rows, {}, {})]
   return gather_response_values(layout, sequences, to_host(values))
 
@@ -231,7 +242,8 @@ def minibatch_grads(params: Params, sequences: Sequences, mini_batch: Sequence[i
                                           "metric_weights": in_loss.astype(np.float32) / tokens}):
     grads, micro_metrics = accumulate_grads(params, grads, rows, config=ctx.config,
                                             sampling=ctx.sampling, loss=loss or ctx.loss,
-                                            rules=ctx.rules, remat=ctx.update.remat)
+                                            rules=ctx.rules, remat=ctx.update.remat,
+                                            compute_dtype=ctx.compute_dtype)
     sums.append(micro_metrics)
   sums = jax.device_get(sums)
   merged = {k: (max if k.endswith("_max") else sum)(m[k] for m in sums) for k in sums[0]}

@@ -24,6 +24,18 @@ class BucketSpec:
     if min(self.batch_buckets + (self.cache_page, self.prompt_page, self.prefill_groups)) < 1:
       raise UserInputError(f"{self}: every bucket size and count must be >= 1")
 
+  def capped(self, max_rows: int | None) -> "BucketSpec":
+    """The batch buckets of a rollout that holds at most `max_rows` rows at once: those
+    below it and max_rows itself (None: unchanged). A cap past the largest bucket is that
+    bucket: the budget never widens the batch."""
+    if max_rows is None:
+      return self
+    if max_rows < 1:
+      raise UserInputError(f"--rollout_max_rows={max_rows}: must be >= 1")
+    top = min(max_rows, self.batch_buckets[-1])
+    return dataclasses.replace(self, batch_buckets=tuple(
+        b for b in self.batch_buckets if b < top) + (top,))
+
   def batch_bucket(self, rows: int) -> int:
     for size in self.batch_buckets:
       if size >= rows:

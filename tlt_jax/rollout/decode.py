@@ -152,9 +152,11 @@ def _prefill_in_chunks(params: Params, config: ModelConfig, tokens: jax.Array,
   return hidden, joined(new_k), joined(new_v)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "sampling", "eos_ids", "max_new_tokens",
-                                             "rules", "attention_impl", "prefill_chunk"),
-                   donate_argnames=("state",))
+_PREFILL_STATIC = ("config", "sampling", "eos_ids", "max_new_tokens", "rules", "attention_impl",
+                   "prefill_chunk")
+
+
+@functools.partial(jax.jit, static_argnames=_PREFILL_STATIC, donate_argnames=("state",))
 def prefill_rows(params: Params, state: DecodeState, tokens: jax.Array, lengths: jax.Array,
                  sources: jax.Array, row_start: jax.Array, *, config: ModelConfig,
                  sampling: SamplingParams, eos_ids: tuple[int, ...], max_new_tokens: int,
@@ -169,24 +171,65 @@ def prefill_rows(params: Params, state: DecodeState, tokens: jax.Array, lengths:
   A batch is prefilled in groups of rows of similar prompt length, each padded only to its
   own longest prompt; one program per (U, G, T) serves every group of that shape.
   prefill_chunk: prompt positions per pass (`PREFILL_CHUNK`)."""
-  g, t = sources.shape[0], tokens.shape[1]
-  rows = row_start + jnp.arange(g)
-  u = tokens.shape[0]
+  rows = row_start + jnp.arange(sources.shape[0])
+
+  def write(cache: KVCache, new_k, new_v, row_lengths):
+    return cache.write_prefix(new_k, new_v, row_start, sources).replace(
+        lengths=jax.lax.dynamic_update_slice(cache.lengths, row_lengths, (row_start,)))
+  return _prefill_into(params, state, tokens, lengths, sources, rows, write, config=config,
+                       sampling=sampling, eos_ids=eos_ids, max_new_tokens=max_new_tokens,
+                       rules=rules, attention_impl=attention_impl, prefill_chunk=prefill_chunk)
+
+
+@functools.partial(jax.jit, static_argnames=_PREFILL_STATIC, donate_argnames=("state",))
+def admit_rows(params: Params, state: DecodeState, tokens: jax.Array, lengths: jax.Array,
+               sources: jax.Array, rows: jax.Array, caps: jax.Array, *, config: ModelConfig,
+               sampling: SamplingParams, eos_ids: tuple[int, ...], max_new_tokens: int,
+               rules: MeshRules | None = None, attention_impl: str = "auto",
+               prefill_chunk: int = PREFILL_CHUNK) -> DecodeState:
+  """Continuous admission: prefills waiting prompts into batch rows `rows` [G] of a running
+  batch, rows whose earlier prompts have finished (and been harvested), and emits their
+  first tokens. Each row starts afresh (nothing emitted, its own cap caps[i]) with prompt
+  sources[i] of the distinct prompts `tokens` [U, T], as in `prefill_rows`; entries of
+  `rows` past the batch pad it to a fixed G and are dropped. The rest of the batch is left
+  as it is, so it decodes on in the next chunk beside the new rows. One program per
+  (batch, G, U, T), like JetStream's insert."""
+  fresh = lambda x, value: x.at[rows].set(value, mode="drop")
+  state = state.replace(num_generated=fresh(state.num_generated, 0),
+                        done=fresh(state.done, False), caps=fresh(state.caps, caps))
+
+  def write(cache: KVCache, new_k, new_v, row_lengths):
+    return cache.write_rows(new_k, new_v, rows, sources).replace(
+        lengths=fresh(cache.lengths, row_lengths))
+  return _prefill_into(params, state, tokens, lengths, sources, rows, write, config=config,
+                       sampling=sampling, eos_ids=eos_ids, max_new_tokens=max_new_tokens,
+                       rules=rules, attention_impl=attention_impl, prefill_chunk=prefill_chunk)
+
+
+def _prefill_into(params: Params, state: DecodeState, tokens: jax.Array, lengths: jax.Array,
+                  sources: jax.Array, rows: jax.Array, write, *, config: ModelConfig,
+                  sampling: SamplingParams, eos_ids: tuple[int, ...], max_new_tokens: int,
+                  rules: MeshRules | None, attention_impl: str,
+                  prefill_chunk: int) -> DecodeState:
+  """The prefill both programs share: the U distinct prompts run once (in passes of
+  prefill_chunk positions), `write(cache, new_k, new_v, lengths [G])` puts row i's K/V
+  (prompt sources[i]) and length into batch row rows[i], and every live row of `rows`
+  emits its first token."""
+  u, t = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (u, t))
   hidden, new_k, new_v = _prefill_in_chunks(params, config, tokens, positions, state.cache,
                                             prefill_chunk, rules, attention_impl)
   tokens, positions, hidden, lengths = (x[sources] for x in (tokens, positions, hidden, lengths))
-  cache = state.cache.write_prefix(new_k, new_v, row_start, sources).replace(
-      lengths=jax.lax.dynamic_update_slice(state.cache.lengths, lengths.astype(jnp.int32),
-                                           (row_start,)))
+  cache = write(state.cache, new_k, new_v, lengths.astype(jnp.int32))
   last_hidden = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
   key, sub = jax.random.split(state.key)
   first, first_logprob = sample_and_score(sub, lm_logits(params, config, last_hidden, rules),
                                            sampling)
   state = state.replace(cache=cache, key=key).record(positions, tokens, hidden, rows)
-  in_group = jnp.zeros(state.done.shape, bool).at[rows].set(True)
-  return lay_out(emit(state, state.last_tokens.at[rows].set(first),
-                      jnp.zeros(state.done.shape, jnp.float32).at[rows].set(first_logprob),
+  in_group = jnp.zeros(state.done.shape, bool).at[rows].set(True, mode="drop")
+  return lay_out(emit(state, state.last_tokens.at[rows].set(first, mode="drop"),
+                      jnp.zeros(state.done.shape, jnp.float32).at[rows].set(
+                          first_logprob, mode="drop"),
                       in_group & ~state.done, eos_ids, max_new_tokens), rules)
 
 

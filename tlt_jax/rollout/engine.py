@@ -34,6 +34,8 @@ from tlt_jax.models.kv_cache import KVCache, init_cache
 from tlt_jax.models.transformer import Params
 from tlt_jax.ops import ATTENTION_IMPLS, resolve_attention
 from tlt_jax.rollout import decode, hybrid as hybrid_lib, ngram, speculative
+from tlt_jax.rollout.admission import AdmissionQueue, first_wave
+from tlt_jax.rollout.budget import kv_bytes_per_row
 from tlt_jax.rollout.buckets import BucketSpec
 from tlt_jax.rollout.drafting import DraftInputs
 from tlt_jax.rollout.sampling import SamplingParams
@@ -80,8 +82,8 @@ def take_rows(state, rows: jax.Array, rules: MeshRules | None = None):
       take, state, is_leaf=lambda x: isinstance(x, (KVCache, ngram.DraftContext))), rules)
 
 
-_PROGRAMS = (decode.prefill_rows, decode.decode_chunk, speculative.start_speculation,
-             speculative.spec_chunk, take_rows)
+_PROGRAMS = (decode.prefill_rows, decode.admit_rows, decode.decode_chunk,
+             speculative.start_speculation, speculative.spec_chunk, take_rows)
 _COMPILES = CompileCounter(_PROGRAMS)
 
 
@@ -213,6 +215,7 @@ class RolloutPlan:
   cache_len: int
   eos_ids: tuple[int, ...]
   prefill_prompts: tuple[int, ...]   # distinct prompts each prefill group runs, in order
+  queued: int = 0              # prompts that wait for rows (a row budget's queue)
 
   @property
   def max_new_tokens(self) -> int:
@@ -221,21 +224,40 @@ class RolloutPlan:
 
 def plan_rollout(prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
                  config: ModelConfig, buckets: BucketSpec, spec: SpecConfig | None,
-                 eos_ids: Sequence[int], min_row_tokens: int = 0) -> RolloutPlan:
+                 eos_ids: Sequence[int], min_row_tokens: int = 0,
+                 group_ids: Sequence[int] | None = None) -> RolloutPlan:
   """Validates the prompts and caps, and derives the shapes every program is built for.
   min_row_tokens sizes the cache for rows of at least that many tokens: a run whose
-  prompts vary in length then keeps one cache length, and so one set of programs."""
+  prompts vary in length then keeps one cache length, and so one set of programs.
+  The largest batch bucket is the most rows the rollout holds (a row budget caps it:
+  `BucketSpec.capped`); prompts beyond it queue (`admission`), groups of group_ids (default:
+  equal prompts) kept together."""
   caps = _row_caps(prompts, max_new_tokens, config)
   prompt_len = buckets.prompt_length(max(len(p) for p in prompts))
-  margin = speculative.cache_margin(spec.strategies) if spec else 0
   longest_row = max(min_row_tokens, *(len(p) + int(cap) for p, cap in zip(prompts, caps)))
-  batch = buckets.batch_bucket(len(prompts))
-  tokens, lengths, _, _ = sorted_rows(prompts, batch, prompt_len)
+  batch = buckets.batch_bucket(min(len(prompts), buckets.batch_buckets[-1]))
+  wave, _ = first_wave(default_group_ids(prompts) if group_ids is None else group_ids, batch)
+  tokens, lengths, _, _ = sorted_rows([prompts[i] for i in wave], batch, prompt_len)
   return RolloutPlan(caps=tuple(int(c) for c in caps), batch=batch, prompt_len=prompt_len,
-                     cache_len=buckets.cache_length(max(prompt_len, longest_row + margin)),
+                     cache_len=cache_length(longest_row, prompt_len, spec, buckets),
                      eos_ids=tuple(sorted(set(int(e) for e in eos_ids))),
                      prefill_prompts=tuple(len(picked) for _, _, picked, _
-                                           in prefill_groups(tokens, lengths, buckets)))
+                                           in prefill_groups(tokens, lengths, buckets)),
+                     queued=len(prompts) - len(wave))
+
+
+def cache_length(longest_row: int, prompt_len: int, spec: SpecConfig | None,
+                 buckets: BucketSpec) -> int:
+  """Cache slots per row for rows of up to `longest_row` tokens (prompts padded to
+  prompt_len), with the slots one speculative step of `spec` may write past a row."""
+  margin = speculative.cache_margin(spec.strategies) if spec else 0
+  return buckets.cache_length(max(prompt_len, longest_row + margin))
+
+
+def default_group_ids(prompts: Sequence[Sequence[int]]) -> list[int]:
+  """Each prompt's group when the caller names none: equal prompts form one."""
+  ids: dict[tuple, int] = {}
+  return [ids.setdefault(tuple(p), len(ids)) for p in prompts]
 
 
 def sorted_rows(prompts: Sequence[Sequence[int]], batch: int, prompt_len: int
@@ -280,6 +302,40 @@ def prefill_groups(tokens: np.ndarray, lengths: np.ndarray, buckets: BucketSpec)
     group = slice(start, start + rows)
     yield (group, buckets.prompt_length(int(lengths[group].max())),
            *distinct_prompts(tokens[group], lengths[group], buckets))
+
+
+@dataclasses.dataclass(frozen=True)
+class Admission:
+  """One `decode.admit_rows` call: waiting prompts prefilled into freed batch rows."""
+  tokens: np.ndarray     # [U, T] the distinct prompts, right-padded to the unit's longest
+  lengths: np.ndarray    # [U]
+  sources: np.ndarray    # [G] each row's prompt among them
+  rows: np.ndarray       # [G] batch rows; the batch size pads (dropped)
+  caps: np.ndarray       # [G] token budgets
+  prompts: np.ndarray    # [G] prompt indices; -1 pads
+
+
+def admissions(prompts: Sequence[Sequence[int]], admitted: Sequence[int], rows: np.ndarray,
+               plan: RolloutPlan, buckets: BucketSpec):
+  """The admitted prompts (by index) into free batch rows `rows`, sorted as a prefill sorts
+  them (longest first, equal prompts adjacent) and cut into units of a prefill group's rows,
+  each padded to its own longest prompt and running each distinct prompt once. A short
+  last unit is padded with repeats of its first prompt bound for no row."""
+  unit = buckets.prefill_group_rows(plan.batch)
+  admitted = np.asarray(admitted)
+  tokens, lengths, _ = pad_prompts([prompts[i] for i in admitted], len(admitted),
+                                   plan.prompt_len)
+  order = np.lexsort((prompt_ids(tokens, lengths), -lengths))
+  for start in range(0, len(order), unit):
+    part = order[start:start + unit]
+    padded = np.concatenate([part, np.repeat(part[:1], unit - len(part))])
+    picked, sources = distinct_prompts(tokens[padded], lengths[padded], buckets)
+    width = buckets.prompt_length(int(lengths[padded].max()))
+    pad = lambda x, fill: np.concatenate([x, np.full(unit - len(part), fill)]).astype(np.int32)
+    yield Admission(tokens=tokens[padded][picked, :width], lengths=lengths[padded][picked],
+                    sources=sources, rows=pad(rows[start:start + len(part)], plan.batch),
+                    caps=np.asarray(plan.caps, np.int32)[admitted[padded]],
+                    prompts=pad(admitted[part], -1))
 
 
 def prompt_ids(tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -377,8 +433,7 @@ def draft_groups(prompts: Sequence[Sequence[int]], group_ids: Sequence[int] | No
   one) and its extra draft text (default: none)."""
   n = len(prompts)
   if group_ids is None:
-    ids: dict[tuple, int] = {}
-    group_ids = [ids.setdefault(tuple(p), len(ids)) for p in prompts]
+    group_ids = default_group_ids(prompts)
   elif len(group_ids) != n or not all(isinstance(g, (int, np.integer)) for g in group_ids):
     raise UserInputError(f"group_ids: expected {n} integers (one per prompt), got "
                          f"{len(group_ids)} items")
@@ -417,13 +472,14 @@ def draft_pool(texts: Sequence[Sequence[int]], groups: Sequence[int],
 @dataclasses.dataclass(frozen=True)
 class Program:
   """One program a rollout can dispatch (`Rollout.programs`): what `precompile` builds and
-  `generate` runs. size: a prefill's padded prompt width, a switch's drafter prefill
-  length, a compaction's target batch."""
-  kind: str           # "prefill", "compact", "decode", "switch", "spec_compact", "spec"
+  `generate` runs. size: a prefill's or admission's padded prompt width, a switch's
+  drafter prefill length, a compaction's target batch."""
+  kind: str       # "prefill", "admit", "compact", "decode", "switch", "spec_compact", "spec"
   batch: int
   window: int | None = None
   strategy: SpecStrategy | None = None
   size: int = 0
+  distinct: int = 0   # an admission's distinct prompts
 
 
 @dataclasses.dataclass
@@ -490,6 +546,14 @@ class Rollout:
     return self.runner(decode.prefill_rows, (self.params, state, tokens, lengths, sources,
                                              row_start), dict(rules=self.rules, **self.static))
 
+  def admit(self, state, unit: Admission):
+    """Waiting prompts prefilled into finished rows (`decode.admit_rows`)."""
+    self.dispatched.add(Program("admit", state.done.shape[0], size=unit.tokens.shape[1],
+                                distinct=unit.tokens.shape[0]))
+    return self.runner(decode.admit_rows, (self.params, state, *map(jnp.asarray, (
+        unit.tokens, unit.lengths, unit.sources, unit.rows, unit.caps))),
+                       dict(rules=self.rules, **self.static))
+
   def decode(self, state, window: int | None):
     self.dispatched.add(Program("decode", state.done.shape[0], window))
     return self.runner(decode.decode_chunk, (self.params, state),
@@ -533,6 +597,7 @@ class Rollout:
         plan.batch]
     out = [Program("prefill", plan.batch, size=w)
            for w in buckets.prompt_lengths(plan.prompt_len)]
+    out += self.admissions()
     pairs = lambda kind, sizes: [Program(kind, b, size=s) for b in sorted(sizes, reverse=True)
                                  for s in sizes if s < b]
     out += pairs("compact", batches)
@@ -546,6 +611,16 @@ class Rollout:
     out += pairs("spec_compact", spec_batches)
     return out + [Program("spec", b, w, s) for b in spec_batches for w in self.windows(spec)
                   for s in spec.strategies]
+
+  def admissions(self) -> list[Program]:
+    """With prompts queued: an admission unit at any padded width and count of distinct
+    prompts (a power of two up to the unit's rows, or all of them)."""
+    if not self.plan.queued:
+      return []
+    unit = self.buckets.prefill_group_rows(self.plan.batch)
+    counts = sorted({self.buckets.distinct_prompts(n, unit) for n in range(1, unit + 1)})
+    return [Program("admit", self.plan.batch, size=w, distinct=u)
+            for w in self.buckets.prompt_lengths(self.plan.prompt_len) for u in counts]
 
   def windows(self, spec: SpecConfig | None) -> list[int | None]:
     """Every attention window a chunk (speculative with `spec`) can take."""
@@ -561,18 +636,21 @@ def prepare_rollout(params: Params, config: ModelConfig, prompts: Sequence[Seque
                     group_ids: Sequence[int] | None,
                     draft_context: Sequence[Sequence[int]] | None, rules: MeshRules | None,
                     attention_impl: str, buckets: BucketSpec, min_row_tokens: int,
-                    platform: str | None = None,
+                    platform: str | None = None, max_rows: int | None = None,
                     **settings) -> tuple[Rollout, list[int], list[list[int]]]:
   """Checks a rollout's arguments, places its weights and plans it: the `Rollout`, and the
-  model-free drafter's groups and extra draft text (`draft_groups`). platform: the one its
-  programs are for (`Rollout.platform`)."""
+  model-free drafter's groups and extra draft text (`draft_groups`), which are also the
+  groups a row budget (max_rows) admits together. platform: the one its programs are for
+  (`Rollout.platform`)."""
   check_attention_impl(attention_impl)
   if spec is not None:
     spec.check_weights(drafter)
   elif drafter is not None:
     raise UserInputError("drafter weights given without a SpecConfig (speculation is off)")
-  plan = plan_rollout(prompts, max_new_tokens, config, buckets, spec, eos_ids, min_row_tokens)
+  buckets = buckets.capped(max_rows)
   groups, extras = draft_groups(prompts, group_ids, draft_context, spec, config.vocab_size)
+  plan = plan_rollout(prompts, max_new_tokens, config, buckets, spec, eos_ids, min_row_tokens,
+                      groups)
   params, drafter = place_rollout(params, config, drafter, rules, platform)
   return Rollout(params, config, plan, spec, drafter, buckets=buckets, rules=rules,
                  attention_impl=attention_impl, platform=platform, **settings), groups, extras
@@ -583,12 +661,13 @@ class _Loop:
   compact and switch SD on, which strategy plays, and the outputs and stats so far."""
 
   def __init__(self, rollout: Rollout, prompts, groups, extras, row_ids: np.ndarray,
-               memory: SpecMemory | None):
+               memory: SpecMemory | None, queue: AdmissionQueue):
     self.rollout, self.prompts, self.groups, self.extras = rollout, prompts, groups, extras
-    self.row_ids, self.memory = row_ids, memory
+    self.row_ids, self.memory, self.queue = row_ids, memory, queue
     self.harvest = _Harvest([len(p) for p in prompts], rollout.capture_hidden)
     self.start = time.perf_counter()
     self.trace, self.context_trace, self.buckets_used = [], [], [rollout.plan.batch]
+    self.queued_trace, self.waves = [], 0     # prompts waiting per trace point; admissions
     self.spec_on_at, self.steps_below, self.chunk_start, self.plain_chunks = None, 0, 0, 0
     self.strategy_chunks, self.played, self.context_sizes = collections.Counter(), None, None
     self.generated = self.emitted = 0   # tokens so far, and by the last chunk
@@ -597,13 +676,9 @@ class _Loop:
     """A chunk boundary: the live rows and the longest live row's length; traces them and
     scores the SD chunk that just ended for the bandit."""
     base = _base(state)
-    done = np.asarray(base.done)
-    live_rows = int((~done).sum())
-    longest_live = int(np.asarray(base.cache.lengths)[~done].max(initial=0))
-    self.generated = int(np.asarray(base.num_generated).sum())
+    live_rows, longest_live = self.trace_rows(base)
     self.emitted = self.generated - self.chunk_start     # by the last chunk
     now = time.perf_counter()
-    self.trace.append((round(now - self.start, 4), live_rows))
     self.context_trace.append((round(now - self.start, 4), longest_live, self.emitted,
                                isinstance(state, speculative.SpecState)))
     if self.played is not None:
@@ -613,6 +688,35 @@ class _Loop:
         self.memory.bandit.record(played_rows, strategy, self.emitted / (now - began))
       self.played = None
     return live_rows, longest_live
+
+  def trace_rows(self, base: decode.DecodeState) -> tuple[int, int]:
+    """The live rows and the longest live row's length, traced with the prompts waiting
+    (`rollout/live_rows`, `rollout/queued`); the tokens generated so far updated."""
+    done = np.asarray(base.done)
+    live_rows = int((~done).sum())
+    self.generated = int(np.asarray(base.num_generated).sum())
+    seconds = round(time.perf_counter() - self.start, 4)
+    self.trace.append((seconds, live_rows))
+    self.queued_trace.append((seconds, self.queue.waiting))
+    return live_rows, int(np.asarray(base.cache.lengths)[~done].max(initial=0))
+
+  def admit(self, state, view: tuple[int, int]):
+    """Continuous admission: the finished rows harvested and refilled with waiting prompts
+    (`admission.AdmissionQueue.take`), the new view of the rows returned with the state."""
+    done = np.asarray(state.done)
+    free = np.flatnonzero(done)
+    admitted = self.queue.take(len(free))
+    if not admitted:
+      return state, view
+    self.harvest.take(state, self.row_ids, done)
+    self.row_ids = np.where(done, -1, self.row_ids)
+    for unit in admissions(self.prompts, admitted, free[:len(admitted)], self.rollout.plan,
+                           self.rollout.buckets):
+      state = self.rollout.admit(state, unit)
+      filled = unit.prompts >= 0
+      self.row_ids[unit.rows[filled]] = unit.prompts[filled]
+    self.waves += 1
+    return state, self.trace_rows(state)
 
   def compact(self, state, live_rows: int):
     """The live rows gathered into the smallest batch bucket that holds them."""
@@ -688,9 +792,14 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
              attention_impl: str = "auto", min_row_tokens: int = 0,
              group_ids: Sequence[int] | None = None,
              draft_context: Sequence[Sequence[int]] | None = None,
-             capture_hidden: bool = False) -> GenerationResult:
+             capture_hidden: bool = False, max_rows: int | None = None) -> GenerationResult:
   """Generates up to `max_new_tokens` tokens for each prompt (lists of token ids); a
-  sequence gives each prompt its own cap.
+  sequence gives each prompt its own cap; outputs come back in prompt order.
+
+  max_rows: the most rows the rollout holds at once (its KV cache's batch); prompts beyond
+  it wait and are prefilled into rows that finish, whole groups (group_ids) at a time,
+  and compaction and SD start once none wait. Greedy outputs are the same for any
+  max_rows; sampled ones are drawn from the same distributions (other random draws).
 
   spec: speculative decoding for the tail; drafter: the learned drafter's weights, when a
   strategy drafts with it; memory: what SD learned in earlier rollouts (the caller keeps
@@ -710,18 +819,27 @@ def generate(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int
       eos_ids=eos_ids, group_ids=group_ids, draft_context=draft_context, rules=rules,
       attention_impl=attention_impl, buckets=buckets, min_row_tokens=min_row_tokens,
       sampling=sampling, chunk_steps=chunk_steps, compact=compact,
-      capture_hidden=capture_hidden)
+      capture_hidden=capture_hidden, max_rows=max_rows)
   plan = rollout.plan
-  tokens, lengths, live, order = sorted_rows(prompts, plan.batch, plan.prompt_len)
+  wave, queue = first_wave(groups, plan.batch)
+  tokens, lengths, live, order = sorted_rows([prompts[i] for i in wave], plan.batch,
+                                             plan.prompt_len)
   caps = np.ones((plan.batch,), np.int32)
-  caps[:len(prompts)] = plan.caps
+  caps[:len(wave)] = np.asarray(plan.caps)[wave]
+  wave = np.asarray(wave + [-1] * (plan.batch - len(wave)))
   memory = memory or (SpecMemory(spec) if spec is not None else None)
   programs_before = program_totals()
-  loop = _Loop(rollout, prompts, groups, extras, np.where(live, order, -1), memory)
+  loop = _Loop(rollout, prompts, groups, extras, np.where(live, wave[order], -1), memory,
+               queue)
   state = rollout.prefill(tokens, lengths, live, caps[order], jax.random.key(seed))
-  while (view := loop.observe(state))[0]:
-    state = loop.compact(state, view[0])
-    state = loop.maybe_switch(state, *view)
+  # While prompts wait, finished rows are refilled at every chunk boundary; compaction and
+  # SD only start once the queue is empty: they are for the tail.
+  while (view := loop.observe(state))[0] or queue.waiting:
+    if queue.waiting:
+      state, view = loop.admit(state, view)
+    else:
+      state = loop.compact(state, view[0])
+      state = loop.maybe_switch(state, *view)
     state = loop.chunk(state, *view)
   loop.finish(state)
   return GenerationResult(_outputs(loop.harvest, plan), _stats(loop, programs_before))
@@ -745,8 +863,17 @@ def _stats(loop: _Loop, programs_before: dict[str, int]) -> dict:
       # Per chunk boundary: seconds, the longest live row, tokens the chunk that ended there
       # emitted, whether it was speculative: a chunk's cost by context length.
       "rollout/context": loop.context_trace,
-      "rollout/tail_s": tail_seconds(loop.trace, len(loop.prompts)),
+      "rollout/tail_s": tail_seconds([(t, live + queued) for (t, live), (_, queued)
+                                      in zip(loop.trace, loop.queued_trace)],
+                                     len(loop.prompts)),
       "rollout/batch_buckets": loop.buckets_used,
+      # The row budget: rows held at most, the queue over time, refills, the target's cache.
+      "rollout/max_rows": plan.batch,
+      "rollout/peak_rows": max(live for _, live in loop.trace),
+      "rollout/queued": loop.queued_trace,
+      "rollout/admission_waves": loop.waves,
+      "rollout/kv_cache_bytes": plan.batch * kv_bytes_per_row(
+          rollout.config, plan.cache_len, rollout.params["embed"].dtype),
       "compile/programs": compiled_programs(),
       "compile/new_programs": compiled_programs() - programs_before["programs"],
       "compile/cache_hits": program_totals()["cache_hits"] - programs_before["cache_hits"],

@@ -20,8 +20,8 @@ from tlt_jax.models.kv_cache import init_cache
 from tlt_jax.models.transformer import Params
 from tlt_jax.rollout import decode
 from tlt_jax.rollout.buckets import BucketSpec
-from tlt_jax.rollout.engine import (Program, Rollout, compiled_programs, draft_pool,
-                                    prepare_rollout)
+from tlt_jax.rollout.engine import (Admission, Program, Rollout, compiled_programs,
+                                    draft_pool, prepare_rollout)
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.spec_config import SpecConfig
 from tlt_jax.rollout.weights import DraftWeights
@@ -37,7 +37,7 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
                attention_impl: str = "auto", min_row_tokens: int = 0,
                group_ids: Sequence[int] | None = None,
                draft_context: Sequence[Sequence[int]] | None = None,
-               capture_hidden: bool = False) -> int:
+               capture_hidden: bool = False, max_rows: int | None = None) -> int:
   """Compiles every program `generate` can dispatch with these arguments, for any prompts
   that give the same rollout plan (batch bucket, padded prompt length, cache length,
   distinct prompts per prefill group; model-free: the same pool shapes from group_ids and
@@ -48,7 +48,7 @@ def precompile(params: Params, config: ModelConfig, prompts: Sequence[Sequence[i
       eos_ids=eos_ids, group_ids=group_ids, draft_context=draft_context, rules=rules,
       attention_impl=attention_impl, buckets=buckets, min_row_tokens=min_row_tokens,
       sampling=sampling, chunk_steps=chunk_steps, compact=compact,
-      capture_hidden=capture_hidden)
+      capture_hidden=capture_hidden, max_rows=max_rows)
   builder = ProgramBuilder(rollout, len(prompts), groups, extras)
   for program in rollout.programs():
     builder.build(program)
@@ -86,6 +86,16 @@ class ProgramBuilder:
           state, jnp.zeros((count, width), jnp.int32), jnp.ones((count,), jnp.int32),
           jnp.zeros((group_rows,), jnp.int32), jnp.int32(0))
     self.states["decode", batch] = state
+
+  def _admit(self, program: Program) -> None:
+    # Every row of the unit bound for no row (past the batch): nothing changes.
+    unit = self.rollout.buckets.prefill_group_rows(program.batch)
+    ints = lambda shape, value: np.full(shape, value, np.int32)
+    key = "decode", program.batch
+    self.states[key] = self.rollout.admit(self.states[key], Admission(
+        tokens=ints((program.distinct, program.size), 0), lengths=ints(program.distinct, 1),
+        sources=ints(unit, 0), rows=ints(unit, program.batch), caps=ints(unit, 1),
+        prompts=ints(unit, -1)))
 
   def _compact(self, program: Program, kind: str = "decode") -> None:
     source = self.states[kind, program.batch]
