@@ -17,7 +17,7 @@ def main(port: int, me: int) -> dict:
   jax.distributed.initialize(f"127.0.0.1:{port}", 2, me)
   import numpy as np
 
-  from tlt_jax.distributed.collectives import allgather, local_copy
+  from tlt_jax.distributed.collectives import allgather, allgather_json, local_copy
   from tlt_jax.distributed.control import ReplicaControl, ReplicaState
   from tlt_jax.distributed.kv_store import KeyValueStore
 
@@ -58,6 +58,8 @@ def main(port: int, me: int) -> dict:
   got = allgather({"a": np.full((3,), me, np.int32), "b": np.float32(me + 0.5)})
   report["gather_a"] = got["a"].tolist()
   report["gather_b"] = got["b"].tolist()
+  # Different lengths per process: the shorter is padded and cut back.
+  report["gather_json"] = allgather_json({"replica": me, "counts": list(range(me * 5))})
   mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
   replicated = jax.device_put(np.arange(4.0), jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec()))

@@ -55,6 +55,8 @@ def test_host_collectives(reports):
   for report in reports:
     assert report["gather_a"] == [[0, 0, 0], [1, 1, 1]]
     assert report["gather_b"] == [0.5, 1.5]
+    assert report["gather_json"] == [{"replica": 0, "counts": []},
+                                     {"replica": 1, "counts": [0, 1, 2, 3, 4]}]
     assert report["local_copy"] == [[0.0, 1.0, 2.0, 3.0], True]
     assert report["late_try_get"] is None
 

@@ -4,7 +4,7 @@ first and trains the drafter while replica 1 is still busy; at the step end both
 same drafter bits, and the deploy gate has scored deployed and candidate drafters. SD
 stays off in the rollout (its threshold is never met): the drafter trains from the hidden
 states of plain decoding, and the run compiles few programs. A resumed run continues each
-replica's drafter checkpoint."""
+replica's drafter checkpoint and SD memory."""
 from __future__ import annotations
 
 import json
@@ -52,6 +52,9 @@ def test_the_first_replica_trains_the_drafter_while_the_straggler_decodes(
   for replica in (0, 1):
     assert os.listdir(os.path.join(run_dir, "drafter", f"replica_{replica}")) == [
         "step_00000002"]
+  # What SD learned is kept per replica (each replica's bandit sees its own rollouts).
+  with open(os.path.join(run_dir, "checkpoints", "2", "meta", "metadata")) as f:
+    assert len(json.load(f)["spec"]) == 2
   proc = run_cli(run_dir, tiny_hf_dirs["qwen2"], "--steps=3", "--resume=auto",
                  f"--drafter={drafter_dir}", *ONLINE, env_extra={"TLT_JAX_STRAGGLER": "1:5.0"},
                  cache=compile_cache)

@@ -9,6 +9,7 @@ replicated array is the whole value, on one of its devices.
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import jax
@@ -37,6 +38,17 @@ def allgather(tree: Any) -> Any:
     out.append(chunk.copy(order="C").view(x.dtype).reshape((len(gathered), *x.shape)))
     offset += x.nbytes
   return jax.tree.unflatten(treedef, out)
+
+
+def allgather_json(value: Any) -> list[Any]:
+  """Every process's JSON-serializable `value`, in process order, on every process (small
+  host state such as a bandit's counts: two collectives, the lengths and then the bytes)."""
+  data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+  lengths = allgather(np.array(len(data), np.int64))
+  padded = np.zeros(int(lengths.max()), np.uint8)
+  padded[:len(data)] = data
+  gathered = allgather(padded)
+  return [json.loads(row[:n].tobytes()) for row, n in zip(gathered, lengths)]
 
 
 def to_host(tree: Any) -> Any:

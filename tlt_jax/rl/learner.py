@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from tlt_jax.distributed.collectives import local_copy
+from tlt_jax.distributed.collectives import allgather_json, local_copy
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.tokenizer import Tokenizer
 from tlt_jax.models.transformer import Params
@@ -83,18 +83,24 @@ class Learner:
     self.rollout_params = self.sync_weights(state.params)
 
   def host_state(self) -> dict[str, Any]:
-    """What a checkpoint keeps besides the policy state: the prompt stream's position and
-    what SD has learned (JSON-serializable)."""
-    return {"stream": self.stream.state(),
-            "spec": None if self.spec_memory is None else self.spec_memory.state_dict()}
+    """What a checkpoint keeps besides the policy state (JSON-serializable): the prompt
+    stream's position and what SD has learned, one entry per replica (each replica's bandit
+    learns from its own rollouts). With several replicas a collective: every process calls
+    it."""
+    spec = None if self.spec_memory is None else self.spec_memory.state_dict()
+    by_replica = allgather_json(spec) if self.replicas.count > 1 else [spec]
+    return {"stream": self.stream.state(), "spec": by_replica}
 
   def restore(self, state: PolicyState, host_state: dict[str, Any]) -> None:
     """Continues from a checkpoint: its policy state and `host_state`; the rollout gets the
     restored policy."""
     self.state = state
     self.stream.restore(host_state["stream"])
-    if self.spec_memory is not None and host_state.get("spec") is not None:
-      self.spec_memory.load_state_dict(host_state["spec"])
+    spec = host_state.get("spec")
+    if isinstance(spec, list):               # one per replica (a dict: one for every replica)
+      spec = spec[self.replicas.index]
+    if self.spec_memory is not None and spec is not None:
+      self.spec_memory.load_state_dict(spec)
     self.rollout_params = self.sync_weights(state.params)
 
   # ---- the step -------------------------------------------------------------------------
