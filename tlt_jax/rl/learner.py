@@ -88,8 +88,7 @@ class Learner:
     learns from its own rollouts). With several replicas a collective: every process calls
     it."""
     spec = None if self.spec_memory is None else self.spec_memory.state_dict()
-    by_replica = allgather_json(spec) if self.replicas.count > 1 else [spec]
-    return {"stream": self.stream.state(), "spec": by_replica}
+    return {"stream": self.stream.state(), "spec": allgather_json(spec)}
 
   def restore(self, state: PolicyState, host_state: dict[str, Any]) -> None:
     """Continues from a checkpoint: its policy state and `host_state`; the rollout gets the
