@@ -4,7 +4,8 @@ loaded, and seconds from launch to the first step's start.
   python benchmarks/compile_cache.py --output_json=benchmarks/results/compile_cache_cpu.json
 
 Runs `python -m experiments.run --flagfile=FLAGFILE --steps=N` twice, each into a fresh run
-dir, both with one fresh --compilation_cache_dir. The first step starts once the run has
+dir, both with one fresh --compilation_cache_dir and one fresh tokenizer cache (the
+first run converts the GGUF's tokenizer, the second reads it back). The first step starts once the run has
 loaded, precompiled (with --precompile) and validated (step 0): the time of the
 "training ..." line plus step 0's `timing/eval_s`.
 """
@@ -31,14 +32,15 @@ _EXTRA = flags.DEFINE_list("run_flags", [], "More flags for both runs (say --pre
 _OUTPUT = flags.DEFINE_string("output_json", None, "Also write the JSON here.")
 
 
-def timed_run(run_dir: str, cache_dir: str) -> dict:
+def timed_run(run_dir: str, cache_dir: str, tokenizer_cache: str) -> dict:
   """One run: wall seconds to each stage, and its first step's compile metrics."""
   command = [sys.executable, "-m", "experiments.run", f"--flagfile={_FLAGFILE.value}",
              f"--steps={_STEPS.value}", f"--run_dir={run_dir}",
              f"--compilation_cache_dir={cache_dir}", *[f"--{f.lstrip('-')}" for f in
                                                          _EXTRA.value]]
   start = time.perf_counter()
-  proc = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True)
+  env = dict(os.environ, TLT_JAX_TOKENIZER_CACHE=tokenizer_cache)
+  proc = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True, env=env)
   training_s, precompile_line = None, None
   for line in proc.stderr:
     if line.startswith("training ") and training_s is None:
@@ -61,9 +63,9 @@ def timed_run(run_dir: str, cache_dir: str) -> dict:
 def main(argv):
   del argv
   with tempfile.TemporaryDirectory() as root:
-    cache = os.path.join(root, "jax_cache")
-    cold = timed_run(os.path.join(root, "cold"), cache)
-    warm = timed_run(os.path.join(root, "warm"), cache)
+    caches = os.path.join(root, "jax_cache"), os.path.join(root, "tokenizers")
+    cold = timed_run(os.path.join(root, "cold"), *caches)
+    warm = timed_run(os.path.join(root, "warm"), *caches)
   emit({"cold": cold, "warm": warm,
         "first_step_start_speedup": round(cold["first_step_start_s"]
                                           / warm["first_step_start_s"], 2)}, _OUTPUT.value)

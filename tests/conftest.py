@@ -4,6 +4,13 @@ import os
 # No test writes to the user's compilation cache: entry points the tests start (and JAX in
 # this process) run with it off, unless a test passes its own --compilation_cache_dir.
 os.environ["JAX_COMPILATION_CACHE_DIR"] = ""
+# Nor to the user's tokenizer cache: tests/run_files.py gives the suite's files one of
+# their own; a pytest started alone gets a fresh one.
+if "TLT_JAX_TOKENIZER_CACHE" not in os.environ:
+  import atexit, shutil, tempfile  # noqa: E401
+  _tokenizers = tempfile.mkdtemp(prefix="tlt_jax_tokenizers_")
+  atexit.register(shutil.rmtree, _tokenizers, True)
+  os.environ["TLT_JAX_TOKENIZER_CACHE"] = _tokenizers
 
 import jax  # noqa: E402  (after the environment it reads)
 import pytest

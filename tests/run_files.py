@@ -94,6 +94,9 @@ def main() -> int:
   failures: list[tuple[str, str]] = []
   lock = threading.Lock()
   with tempfile.TemporaryDirectory(prefix="tlt_jax_tests_") as work:
+    # The suite's files share one tokenizer cache of their own (tests/conftest.py).
+    os.environ.setdefault("TLT_JAX_TOKENIZER_CACHE", os.path.join(work, "tokenizers"))
+
     def one(path: str) -> None:
       code, found, output, seconds = run_file(path, pytest_args, work)
       last = output.strip().splitlines()[-1] if output.strip() else f"exit code {code}"

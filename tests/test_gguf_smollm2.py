@@ -20,6 +20,7 @@ from tlt_jax.errors import UserInputError
 from tlt_jax.models.bundled import smollm2_gguf_path
 from tlt_jax.models.gguf import _unpermute_rotary_rows, load_gguf
 from tlt_jax.models.loading import load_model
+from tlt_jax.models import tokenizer as tokenizer_lib
 from tlt_jax.models.tokenizer import Tokenizer
 
 TEXTS = [
@@ -123,6 +124,33 @@ def test_tokenizer_save_round_trip(tokenizer, tmp_path):
     assert reloaded.encode(text) == tokenizer.encode(text)
   assert reloaded.apply_chat_template(MESSAGES) == tokenizer.apply_chat_template(MESSAGES)
   assert reloaded.eos_token_ids == tokenizer.eos_token_ids
+
+
+def test_tokenizer_cache(gguf_path, hf_tokenizer, tmp_path, monkeypatch):
+  """The first rebuild from GGUF is saved, keyed by content (another path to the same file
+  reuses it); the tokenizer read back equals transformers' rebuild; a cache that cannot be
+  written warns and still returns the tokenizer."""
+  monkeypatch.setenv(tokenizer_lib.CACHE_ENV, str(tmp_path / "cache"))
+  first = Tokenizer.from_gguf(gguf_path)
+  entries = os.listdir(tmp_path / "cache")
+  assert len(entries) == 1 and first._hf.name_or_path != str(tmp_path / "cache" / entries[0])
+  os.symlink(gguf_path, tmp_path / "same.gguf")
+  cached = Tokenizer.from_gguf(str(tmp_path / "same.gguf"))
+  assert cached._hf.name_or_path == str(tmp_path / "cache" / entries[0])
+  assert os.listdir(tmp_path / "cache") == entries
+  for text in TEXTS:
+    assert cached.encode(text) == hf_tokenizer.encode(text), text
+    assert cached.decode(cached.encode(text)) == text
+  hf_chat = hf_tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True,
+                                             return_dict=True)["input_ids"]
+  assert cached.apply_chat_template(MESSAGES) == hf_chat
+  assert (cached.eos_token_ids, cached.bos_token_id, cached.pad_token_id, cached.vocab_size) \
+      == (first.eos_token_ids, first.bos_token_id, first.pad_token_id, first.vocab_size)
+
+  (tmp_path / "a_file").write_text("")
+  monkeypatch.setenv(tokenizer_lib.CACHE_ENV, str(tmp_path / "a_file"))
+  with pytest.warns(UserWarning, match="tokenizer not cached"):
+    assert Tokenizer.from_gguf(gguf_path).encode(TEXTS[1]) == first.encode(TEXTS[1])
 
 
 def test_load_model_smollm2_chat_prompt():

@@ -1,4 +1,5 @@
-"""Atomic file and directory writes: a reader sees the old content or the new, never half.
+"""Atomic file and directory writes: a reader sees the old content or the new, never half;
+and the user's cache dir, where a machine keeps what is built once and reused.
 
 Each writer fills a temporary beside its target (same directory, so the same filesystem)
 and renames it into place when the write has finished; an exception midway removes the
@@ -74,3 +75,10 @@ def atomic_dir(out_dir: str, overwrite: bool = False) -> Iterator[str]:
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
+
+
+def user_cache_dir(name: str) -> str:
+  """$XDG_CACHE_HOME/tlt_jax/NAME, else ~/.cache/tlt_jax/NAME (compiled programs,
+  tokenizers converted from GGUF)."""
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "tlt_jax", name)

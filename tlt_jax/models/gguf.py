@@ -6,6 +6,7 @@ for its interleaved rotary; our transformer uses HF's rotate_half, so that is un
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import gguf
@@ -35,13 +36,39 @@ _LAYER_TENSORS = {
 
 
 def open_gguf(path: str) -> gguf.GGUFReader:
-  """A reader over `path` (memory-mapped, nothing dequantized yet), or a one-line error."""
+  """A reader over `path` (memory-mapped, nothing dequantized yet), or a one-line error.
+
+  Parsing the metadata takes seconds (a vocab and its merges are ~100k strings, read one
+  by one) and a run asks for it several times (the memory plan, the weights, the
+  tokenizer), so a file is parsed once per process while it stays unchanged."""
   if not os.path.isfile(path):
     raise UserInputError(f"{path}: no such GGUF file")
+  stat = os.stat(path)
+  return _parsed(os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed(path: str, size: int, mtime_ns: int) -> gguf.GGUFReader:
+  del size, mtime_ns  # the cache key: a rewritten file is parsed again
   try:
-    return gguf.GGUFReader(path)
+    return _Reader(path)
   except (ValueError, IndexError, OSError) as e:
     raise UserInputError(f"{path}: not a readable GGUF file ({e})") from None
+
+
+class _Reader(gguf.GGUFReader):
+  """gguf's reader, slicing a plain ndarray view of its memmap while it parses: a np.memmap
+  slice costs microseconds of subclass bookkeeping, and a vocab's metadata is ~10^6 slices
+  (measured: 5.8 s -> 2.2 s for SmolLM2's). The same bytes, the same parts."""
+
+  def _get(self, offset, dtype, count=1, override_order=None):
+    plain = self.__dict__.get("_plain")
+    if plain is None:
+      plain = self._plain = self.data.view(np.ndarray)
+    count = int(count)
+    array = plain[offset:offset + np.dtype(dtype).itemsize * count].view(dtype)[:count]
+    order = self.byte_order if override_order is None else override_order
+    return array.view(array.dtype.newbyteorder(order))
 
 
 def _meta(reader: gguf.GGUFReader, key: str, default=None):

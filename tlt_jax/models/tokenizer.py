@@ -5,13 +5,19 @@ identical to what the HF oracle sees, including tokenizers rebuilt from GGUF met
 """
 from __future__ import annotations
 
+import hashlib
 import os
+import warnings
 from typing import Any, Sequence
 
 from tlt_jax.errors import UserInputError
+from tlt_jax.files import atomic_dir, user_cache_dir
 from tlt_jax.models.gguf import CHAT_END_TOKENS, open_gguf
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# Where tokenizers rebuilt from GGUF metadata are kept (empty: nowhere), like JAX's
+# JAX_COMPILATION_CACHE_DIR; default: files.user_cache_dir("tokenizers").
+CACHE_ENV = "TLT_JAX_TOKENIZER_CACHE"
 
 
 def has_tokenizer_files(model_dir: str) -> bool:
@@ -42,24 +48,27 @@ class Tokenizer:
     """From tokenizer.json + tokenizer_config.json (an HF dir or a converted checkpoint)."""
     if not has_tokenizer_files(model_dir):
       raise UserInputError(f"{model_dir}: no tokenizer.json / tokenizer_config.json")
-    from transformers import AutoTokenizer
-    try:
-      hf = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    except (OSError, ValueError) as e:
-      raise UserInputError(f"{model_dir}: cannot load tokenizer ({e})") from None
-    return cls(hf, model_dir, extra_eos_ids)
+    return cls(_hf_tokenizer(model_dir), model_dir, extra_eos_ids)
 
   @classmethod
   def from_gguf(cls, path: str, extra_eos_ids: Sequence[int] = ()) -> "Tokenizer":
-    """Rebuilt from the GGUF metadata (vocab, merges, special ids, chat template)."""
-    open_gguf(path)  # one-line errors for a missing file or a non-GGUF
-    from transformers import AutoTokenizer
+    """Rebuilt from the GGUF metadata (vocab, merges, special ids, chat template).
+
+    transformers' rebuild takes ~10 s, so its result is saved once per machine (see
+    CACHE_ENV), keyed by the file's metadata bytes and the transformers version, and read
+    back from there next time."""
+    reader = open_gguf(path)  # one-line errors for a missing file or a non-GGUF
+    import transformers
     path = os.path.abspath(path)
-    try:
-      hf = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                         local_files_only=True)
-    except (OSError, ValueError, KeyError) as e:
-      raise UserInputError(f"{path}: cannot build a tokenizer from GGUF metadata ({e})") from None
+    key = hashlib.sha256(reader.data[:reader.data_offset].tobytes())
+    key.update(transformers.__version__.encode())
+    cache = os.environ.get(CACHE_ENV, user_cache_dir("tokenizers"))
+    entry = os.path.join(cache, key.hexdigest()[:32]) if cache else None
+    if entry and has_tokenizer_files(entry):
+      return cls(_hf_tokenizer(entry), path, extra_eos_ids)
+    hf = _hf_tokenizer(os.path.dirname(path), gguf_file=os.path.basename(path))
+    if entry:
+      _save_to_cache(hf, entry)
     return cls(hf, path, extra_eos_ids)
 
   def save(self, out_dir: str) -> None:
@@ -91,3 +100,26 @@ class Tokenizer:
   def chat_prompt(self, question: str) -> list[int]:
     """A single user turn ready for the assistant's answer."""
     return self.apply_chat_template([{"role": "user", "content": question}])
+
+
+def _hf_tokenizer(model_dir: str, gguf_file: str | None = None):
+  """transformers' fast tokenizer from a dir's tokenizer files, or from the GGUF file
+  `gguf_file` in it."""
+  from transformers import AutoTokenizer
+  where = os.path.join(model_dir, gguf_file or "")
+  try:
+    return AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf_file, local_files_only=True)
+  except (OSError, ValueError, KeyError) as e:
+    what = "build a tokenizer from GGUF metadata" if gguf_file else "load tokenizer"
+    raise UserInputError(f"{where.rstrip('/')}: cannot {what} ({e})") from None
+
+
+def _save_to_cache(hf_tokenizer, entry: str) -> None:
+  """`entry` written whole or not at all; a cache that cannot be written costs the next
+  run the rebuild, and says so, but never fails this one."""
+  try:
+    with atomic_dir(entry, overwrite=True) as tmp:
+      hf_tokenizer.save_pretrained(tmp, save_jinja_files=False)
+  except OSError as e:
+    if not has_tokenizer_files(entry):   # else another process wrote it first
+      warnings.warn(f"{entry}: tokenizer not cached ({e})")

@@ -17,6 +17,8 @@ import os
 
 import jax
 
+from tlt_jax.files import user_cache_dir
+
 ENV = "JAX_COMPILATION_CACHE_DIR"
 
 
@@ -25,8 +27,7 @@ def default_dir() -> str:
   $XDG_CACHE_HOME/tlt_jax/jax, else ~/.cache/tlt_jax/jax."""
   if ENV in os.environ:
     return os.environ[ENV]
-  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-  return os.path.join(base, "tlt_jax", "jax")
+  return user_cache_dir("jax")
 
 
 def enable(path: str) -> None:
