@@ -4,10 +4,10 @@ loaded, and seconds from launch to the first step's start.
   python benchmarks/compile_cache.py --output_json=benchmarks/results/compile_cache_cpu.json
 
 Runs `python -m experiments.run --flagfile=FLAGFILE --steps=N` twice, each into a fresh run
-dir, both with one fresh --compilation_cache_dir and one fresh tokenizer cache (the
-first run converts the GGUF's tokenizer, the second reads it back). The first step starts once the run has
-loaded, precompiled (with --precompile) and validated (step 0): the time of the
-"training ..." line plus step 0's `timing/eval_s`.
+dir, both with one fresh --compilation_cache_dir and one fresh tokenizer cache (the first
+run converts the GGUF's tokenizer, the second reads it back). The first step starts once
+the run has loaded, precompiled (with --precompile) and validated (step 0): the time of
+the "training ..." line plus step 0's `timing/eval_s`.
 """
 from __future__ import annotations
 

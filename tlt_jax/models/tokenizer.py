@@ -54,7 +54,7 @@ class Tokenizer:
   def from_gguf(cls, path: str, extra_eos_ids: Sequence[int] = ()) -> "Tokenizer":
     """Rebuilt from the GGUF metadata (vocab, merges, special ids, chat template).
 
-    transformers' rebuild takes ~10 s, so its result is saved once per machine (see
+    transformers' rebuild takes seconds, so its result is saved once per machine (see
     CACHE_ENV), keyed by the file's metadata bytes and the transformers version, and read
     back from there next time."""
     reader = open_gguf(path)  # one-line errors for a missing file or a non-GGUF
