@@ -66,10 +66,11 @@ class Tokenizer:
     entry = os.path.join(cache, key.hexdigest()[:32]) if cache else None
     if entry and has_tokenizer_files(entry):
       return cls(_hf_tokenizer(entry), path, extra_eos_ids)
-    hf = _hf_tokenizer(os.path.dirname(path), gguf_file=os.path.basename(path))
+    tokenizer = cls(_hf_tokenizer(os.path.dirname(path), gguf_file=os.path.basename(path)),
+                    path, extra_eos_ids)
     if entry:
-      _save_to_cache(hf, entry)
-    return cls(hf, path, extra_eos_ids)
+      _save_to_cache(tokenizer, entry)
+    return tokenizer
 
   def save(self, out_dir: str) -> None:
     """tokenizer.json + tokenizer_config.json (chat template inside) for `from_dir`."""
@@ -114,12 +115,12 @@ def _hf_tokenizer(model_dir: str, gguf_file: str | None = None):
     raise UserInputError(f"{where.rstrip('/')}: cannot {what} ({e})") from None
 
 
-def _save_to_cache(hf_tokenizer, entry: str) -> None:
-  """`entry` written whole or not at all; a cache that cannot be written costs the next
-  run the rebuild, and says so, but never fails this one."""
+def _save_to_cache(tokenizer: Tokenizer, entry: str) -> None:
+  """`entry` written whole (`Tokenizer.save`) or not at all; a cache that cannot be written
+  costs the next run the rebuild, and says so, but never fails this one."""
   try:
     with atomic_dir(entry, overwrite=True) as tmp:
-      hf_tokenizer.save_pretrained(tmp, save_jinja_files=False)
+      tokenizer.save(tmp)
   except OSError as e:
     if not has_tokenizer_files(entry):   # else another process wrote it first
       warnings.warn(f"{entry}: tokenizer not cached ({e})")
