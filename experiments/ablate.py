@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 from absl import flags
 
-from experiments import cli
+from experiments import ablation_checks, cli
 from tlt_jax.errors import UserInputError
 from tlt_jax.files import atomic_file
 
@@ -43,6 +43,11 @@ _RUN_ROOT = flags.DEFINE_string("run_root", os.path.join("runs", "ablation"),
                                 "Run dirs: RUN_ROOT/CONFIG.")
 _READ_ONLY = flags.DEFINE_bool("read_only", False, "Run nothing: build the table from the "
                                "existing run dirs.")
+_SD_SPEEDUP_JSON = flags.DEFINE_string(
+    "sd_speedup_json", os.path.join("benchmarks", "results", "rollout_tail_batch_cpu.json"),
+    "benchmarks/rollout.py's JSON at the tail's batches: its paired SD speedup at batches <= "
+    "the SD threshold, at the workload's temperature, bounds the step time (the speed "
+    "check); a missing file skips that check, saying so.")
 _OUT = flags.DEFINE_string("out", os.path.join("benchmarks", "results", "ablation_cpu"),
                            "Output path prefix: OUT.json, OUT.md, OUT_*.png.")
 
@@ -263,20 +268,115 @@ def write_plots(series: dict[str, dict[str, list]], out: str) -> list[str]:
   return paths
 
 
-def write_table(configs: Sequence[str], run_root: str, steps: int, out: str) -> dict[str, Any]:
+def sd_settings() -> dict[str, Any]:
+  """The drafting configs' SD threshold and the workload's temperature, from the flagfiles."""
+  (parsed,) = parse_flagfiles([flagfile("tlt_frozen")]).values()
+  if "error" in parsed:
+    raise UserInputError(f"{flagfile('tlt_frozen')}: {parsed['error']}")
+  return {k: parsed["flags"][k] for k in ("sd_threshold", "temperature")}
+
+
+def tail_sd_speedup(path: str, tail_rows: int, temperature: float) -> float | None:
+  """benchmarks/rollout.py's paired SD speedup at the tail: per batch of <= tail_rows rows
+  at `temperature` its best strategy's (the bandit's pick, once it has learned), the median
+  over those batches; None when there is no such file."""
+  if not os.path.isfile(path):
+    return None
+  with open(path) as f:
+    fixed = json.load(f).get("fixed", [])
+  best: dict[int, float] = {}
+  for s in fixed:
+    if s["batch"] <= tail_rows and s["temperature"] == temperature:
+      best[s["batch"]] = max(best.get(s["batch"], 0.0), s["speedup_paired_median"])
+  if not best:
+    raise UserInputError(f"--sd_speedup_json={path}: no fixed batch of <= {tail_rows} rows "
+                         f"at temperature {temperature}")
+  return statistics.median(best.values())
+
+
+def run_checks(histories: dict[str, Any], rows: Sequence[dict[str, Any]], tail_rows: int,
+               sd_speedup: float | None) -> dict[str, Any]:
+  """The issue's checks (experiments/ablation_checks.py) that the configs present allow."""
+  h, checks = histories, {}
+  if {"tlt", "tlt_frozen"} <= h.keys():
+    checks["accept_gain"] = ablation_checks.accept_gain(h["tlt"], h["tlt_frozen"])
+  if "tlt" in h:
+    checks["idle_use"] = ablation_checks.idle_use(h["tlt"])
+  if {"baseline", "tlt"} <= h.keys():
+    checks["losslessness"] = ablation_checks.losslessness(h["baseline"], h["tlt"])
+  accept = {r["config"]: r["accept_len"] for r in rows if r.get("accept_len")}
+  order = [c for c in ("tlt", "tlt_frozen", "tlt_base") if c in accept]
+  if len(order) > 1:
+    checks["accept_order"] = {"configs": order, "accept_len": [accept[c] for c in order],
+                              "holds": all(accept[a] >= accept[b]
+                                           for a, b in zip(order, order[1:]))}
+  if "baseline" not in h:
+    return checks
+  tail = ablation_checks.tail_share(h["baseline"], tail_rows)
+  checks["tail_share"] = tail
+  # The bound's SD speedup is the learned drafter's, so only the learned-only configs.
+  learned = [c for c in ("tlt_frozen", "tlt") if c in h]
+  if sd_speedup is not None and tail["share_median"] is not None and learned:
+    checks["speed"] = {c: ablation_checks.speed(h["baseline"], h[c], tail["share_median"],
+                                                sd_speedup) for c in learned}
+  return checks
+
+
+def checks_markdown(checks: dict[str, Any]) -> str:
+  """One line per check, with its figures and whether its goal holds."""
+  verdict = lambda c: "holds" if c["holds"] else "DOES NOT HOLD"
+  lines = []
+  if "accept_gain" in checks:
+    c = checks["accept_gain"]
+    lines.append(f"- accept length, tlt over tlt_frozen at step {c['steps'][-1]}: "
+                 f"{c['ratio_last']:.2f} (goal >= {c['goal']}): {verdict(c)}"
+                 if c["steps"] else "- accept length, tlt over tlt_frozen: no common step")
+  if "idle_use" in checks:
+    c = checks["idle_use"]
+    lines.append(f"- idle seconds used by drafter training: {c['used_s']:.0f} / "
+                 f"{c['available_s']:.0f} = {_num(c['used_frac'], '.2f')} (goal >= 0.8; "
+                 f"process 0, steps {c['steps']}); stop latency p99 "
+                 f"{_num(c['preempt_latency_p99_s'], '.2f')} s against a drafter step of "
+                 f"{_num(c['drafter_step_s_median'], '.2f')} s: {verdict(c)}")
+  if "losslessness" in checks:
+    c = checks["losslessness"]
+    lines.append(f"- baseline vs tlt: rewards per step (means {c['reward_mean'][0]:.3f} / "
+                 f"{c['reward_mean'][1]:.3f}) Mann-Whitney U p = "
+                 f"{c['reward_mannwhitney_p']:.2f}; validation after step 0 "
+                 f"{c['val_correct'][0]}/{c['val_prompts'][0]} vs {c['val_correct'][1]}/"
+                 f"{c['val_prompts'][1]} correct, Fisher p = {_num(c['val_fisher_p'], '.2f')}; "
+                 f"step 0 (greedy) {c['val_step0'][0]} / {c['val_step0'][1]}: {verdict(c)}")
+  if "accept_order" in checks:
+    c = checks["accept_order"]
+    lines.append(f"- accept length order {' >= '.join(c['configs'])}: "
+                 f"{' / '.join(f'{v:.2f}' for v in c['accept_len'])}: {verdict(c)}")
+  for config, c in checks.get("speed", {}).items():
+    lines.append(f"- step time of {config} over baseline's: {c['ratio_of_medians']:.2f} "
+                 f"(per-step ratios' median {c['ratio_paired_median']:.2f}) against the bound "
+                 f"{c['bound_ratio']:.2f} = 1 - f + f / s, tail share f "
+                 f"{c['tail_share']:.2f}, SD speedup at the tail's batch s "
+                 f"{c['sd_speedup_at_tail']:.2f}: {verdict(c)} (within 10%)")
+  return "\n".join(["## Checks", "", *lines, ""]) if lines else ""
+
+
+def write_table(configs: Sequence[str], run_root: str, steps: int, out: str,
+                sd: dict[str, Any], sd_speedup: float | None) -> dict[str, Any]:
   """Reads every config's run dir; writes OUT.json, OUT.md and the plots; returns the JSON."""
   from benchmarks.report import provenance
 
   histories = {c: read_history(os.path.join(run_root, c)) for c in configs}
   rows = [{"config": c, **summarize(h)} for c, h in histories.items()]
   series = {c: per_step(h) for c, h in histories.items()}
+  checks = run_checks(histories, rows, sd["sd_threshold"], sd_speedup)
   result = {**provenance(), "command": " ".join(["python -m experiments.ablate", *sys.argv[1:]]),
             "steps_requested": steps, "run_root": os.path.abspath(run_root),
-            "flagfiles": {c: flagfile(c) for c in configs}, "rows": rows, "per_step": series}
+            "flagfiles": {c: flagfile(c) for c in configs}, "rows": rows, "per_step": series,
+            "sd": {**sd, "speedup_at_tail": sd_speedup,
+                   "speedup_source": _SD_SPEEDUP_JSON.value}, "checks": checks}
   with atomic_file(f"{out}.json") as f:
     json.dump(result, f, indent=1)
   with atomic_file(f"{out}.md") as f:
-    f.write(markdown_table(rows))
+    f.write(markdown_table(rows) + "\n" + checks_markdown(checks))
   write_plots(series, out)
   return result
 
@@ -286,10 +386,15 @@ def main(argv):
   configs, steps, run_root = _CONFIGS.value, _STEPS.value, _RUN_ROOT.value
   check_inputs(configs, steps, run_root, _READ_ONLY.value)
   cli.check_output_file(f"{_OUT.value}.json", "--out")
+  sd = sd_settings()
+  sd_speedup = tail_sd_speedup(_SD_SPEEDUP_JSON.value, sd["sd_threshold"], sd["temperature"])
   if not _READ_ONLY.value:
     run_configs(configs, steps, run_root)
-  result = write_table(configs, run_root, steps, _OUT.value)
-  print(f"{markdown_table(result['rows'])}\nwritten: {_OUT.value}.json, {_OUT.value}.md, "
+  result = write_table(configs, run_root, steps, _OUT.value, sd, sd_speedup)
+  if sd_speedup is None:
+    print(f"note: no {_SD_SPEEDUP_JSON.value}: the speed check is skipped", file=sys.stderr)
+  print(f"{markdown_table(result['rows'])}\n{checks_markdown(result['checks'])}\n"
+        f"written: {_OUT.value}.json, {_OUT.value}.md, "
         f"{_OUT.value}_step_time.png, {_OUT.value}_accept_len.png", file=sys.stderr)
 
 

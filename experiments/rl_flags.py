@@ -304,9 +304,20 @@ def spot_from_flags(spec, algo: dict, replicas):
   spot = drafter_flags.spot_from_flags(learned=spec is not None and spec.learned,
                                        greedy=algo["sampling"].temperature == 0,
                                        seed=_SEED.value)
-  if spot is not None and replicas.count < 2:
+  if spot is None:
+    return None
+  if replicas.count < 2:
     raise UserInputError(f"--drafter_train={spot.train} needs --replicas >= 2: the drafter "
                          "trains on the replicas whose rollout is done while others decode")
+  from tlt_jax.drafter.buffer import is_heldout
+
+  # The deploy gate scores on each step's held-out responses: with none it never deploys.
+  responses = _PROMPTS.value * _GROUP.value // replicas.count
+  fraction = spot.buffer.heldout_fraction
+  if not any(is_heldout(i, fraction) for i in range(responses)):
+    raise UserInputError(f"--drafter_heldout_fraction={fraction}: holds out none of a "
+                         f"replica's {responses} responses a step, so the deploy gate could "
+                         f"never deploy a trained drafter; use >= {1 / responses:.3g}")
   return spot
 
 

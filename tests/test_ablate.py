@@ -73,10 +73,12 @@ def step(n, step_s, rollout, accept=None, idle=(0.0, 0.0), train_steps=0, **extr
 @pytest.fixture
 def synthetic_runs(tmp_path):
   root = tmp_path / "runs"
-  write_run(root / "baseline", [{"step": 0, "val/accuracy": 0.25},
+  trace = {"rollout/live_rows_trace": [[5.0, 4], [15.0, 2], [45.0, 0]]}   # a tail of 30 s
+  write_run(root / "baseline", [{"step": 0, "val/accuracy": 0.25, "val/prompts": 4},
                                 step(1, 100.0, (60.0, 70.0)), step(2, 50.0, (30.0, 40.0)),
-                                step(3, 60.0, (45.0, 30.0), **{"val/accuracy": 0.5})])
-  write_run(root / "tlt", [{"step": 0, "val/accuracy": 0.25},
+                                step(3, 60.0, (45.0, 30.0), **trace,
+                                     **{"val/accuracy": 0.5, "val/prompts": 4})])
+  write_run(root / "tlt", [{"step": 0, "val/accuracy": 0.25, "val/prompts": 4},
                            step(1, 90.0, (50.0, 60.0), accept=2.0, idle=(5.0, 10.0),
                                 train_steps=3),
                            step(2, 40.0, (20.0, 32.0), accept=0.0),    # SD never switched on
@@ -88,8 +90,15 @@ def synthetic_runs(tmp_path):
 def test_table_from_synthetic_run_dirs(synthetic_runs, tmp_path):
   out = str(tmp_path / "results" / "ablation")
   os.makedirs(os.path.dirname(out))
+  speedup = tmp_path / "rollout.json"    # benchmarks/rollout.py's shape: the best of batch 1
+  speedup.write_text(json.dumps({"fixed": [      # and 2 at T=1 (the workload's), median
+      {"batch": 1, "temperature": 1.0, "speedup_paired_median": 0.5},
+      {"batch": 1, "temperature": 1.0, "speedup_paired_median": 0.7},
+      {"batch": 2, "temperature": 1.0, "speedup_paired_median": 0.9},
+      {"batch": 2, "temperature": 0.0, "speedup_paired_median": 3.0},
+      {"batch": 4, "temperature": 1.0, "speedup_paired_median": 3.0}]}))
   proc = run_ablate("--configs=baseline,tlt", "--steps=3", f"--run_root={synthetic_runs}",
-                    "--read_only", f"--out={out}")
+                    "--read_only", f"--out={out}", f"--sd_speedup_json={speedup}")
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.load(open(out + ".json"))
   rows = {r["config"]: r for r in result["rows"]}
@@ -111,6 +120,15 @@ def test_table_from_synthetic_run_dirs(synthetic_runs, tmp_path):
   assert "| tlt | 3 | 42.0 | 33.5 (0.80) | 4.2 | 2.50 (3.00) | 7 | 13 / 20 |" in table, table
   for name in ("step_time", "accept_len"):
     assert os.path.getsize(f"{out}_{name}.png") > 1000
+  # The checks the two configs allow (each check's own tests: tests/test_ablation_checks.py).
+  checks = result["checks"]
+  assert set(checks) == {"idle_use", "losslessness", "tail_share", "speed"}
+  assert result["sd"] == {"sd_threshold": 2, "temperature": 1.0, "speedup_at_tail": 0.8,
+                          "speedup_source": str(speedup)}
+  assert checks["tail_share"] == {"steps_used": 1, "share_median": pytest.approx(0.5)}
+  assert checks["speed"]["tlt"]["bound_ratio"] == pytest.approx(0.5 + 0.5 / 0.8)
+  assert checks["losslessness"]["val_step0"] == [0.25, 0.25]
+  assert "- step time of tlt over baseline's: 0.76 (per-step ratios' median 0.77)" in table
 
 
 def test_finished_runs_are_not_run_again(synthetic_runs, tmp_path):

@@ -64,7 +64,8 @@ def test_the_first_replica_trains_the_drafter_while_the_straggler_decodes(
   assert resumed["drafter/candidate_steps"] >= record["drafter/candidate_steps"] > 0
 
 
-def test_online_drafter_flags_are_checked_before_loading(tiny_hf_dirs, tmp_path):
+def test_online_drafter_flags_are_checked_before_loading(tiny_hf_dirs, drafter_dir,
+                                                         tmp_path):  # noqa: F811 - the fixture
   proc = run_cli(str(tmp_path / "a"), tiny_hf_dirs["qwen2"], "--steps=1",
                  "--drafter_train=always", check=False)
   assert proc.returncode != 0
@@ -74,3 +75,43 @@ def test_online_drafter_flags_are_checked_before_loading(tiny_hf_dirs, tmp_path)
   proc = run_cli(str(tmp_path / "b"), tiny_hf_dirs["qwen2"], "--steps=1",
                  "--drafter_lr=1e-3", check=False)
   assert proc.returncode != 0 and "--drafter_lr needs --drafter_train" in proc.stderr
+  # 2 prompts x 4 over 2 replicas: 4 responses each a step, of which 5% holds out none.
+  proc = run_cli(str(tmp_path / "c"), tiny_hf_dirs["qwen2"], "--steps=1",
+                 f"--drafter={drafter_dir}", *ONLINE, "--drafter_heldout_fraction=0.05",
+                 check=False)
+  assert proc.returncode != 0
+  assert ("error: --drafter_heldout_fraction=0.05: holds out none of a replica's 4 responses a "
+          "step, so the deploy gate could never deploy a trained drafter; use >= 0.25"
+          in proc.stderr), proc.stderr[-2000:]
+
+
+def test_greedy_rollouts_are_the_same_with_and_without_the_online_drafter(
+    tiny_hf_dirs, drafter_dir, tmp_path, compile_cache):  # noqa: F811 - the fixture
+  """T=0, two replicas, two steps: SD from the first decode step with the drafter replica 0
+  trains while replica 1 decodes (step 2 drafts with what the gate deployed after step 1)
+  against no SD at all. Greedy rows of a group are equal, so advantages are 0 and the
+  update moves the policy by the KL and weight-decay terms of the rollout's tokens: the
+  same rollouts give the same rewards, update metrics and final policy, bit for bit."""
+  common = ("--steps=2", "--replicas=2", "--temperature=0", "--eval_every=0", "--num_val=0",
+            "--checkpoint_every=2")
+  runs = {}
+  for name, extra in (("plain", ()), ("online", (f"--drafter={drafter_dir}", *ONLINE,
+                                                 "--temperature=0", "--sd_threshold=8",
+                                                 "--sd_patience=0"))):
+    run_dir = str(tmp_path / name)
+    proc = run_cli(run_dir, tiny_hf_dirs["qwen2"], *common, *extra,
+                   env_extra={"TLT_JAX_STRAGGLER": "1:5.0"}, cache=compile_cache)
+    runs[name] = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    assert [r["step"] for r in runs[name]] == [1, 2], proc.stderr[-3000:]
+  plain, online = runs["plain"], runs["online"]
+  assert all(r["spec/verify_steps"] > 0 for r in online)            # SD drafted both steps
+  assert online[0]["drafter/train_steps"] > 0 and online[0]["drafter/deployed"] == 1
+  for a, b in zip(plain, online):
+    compared = [k for k in a if k.startswith(("actor/", "reward/", "response_len/", "data/"))
+                and k != "actor/ratio_mean"]   # it carries the rollout log-probs' rounding
+    assert {"reward/mean", "response_len/mean", "actor/loss", "actor/grad_norm"} <= set(
+        compared)
+    assert {k: a[k] for k in compared} == {k: b[k] for k in compared}
+  exported = [open(os.path.join(tmp_path, name, "hf_export", "model.safetensors"), "rb").read()
+              for name in ("plain", "online")]
+  assert exported[0] == exported[1]

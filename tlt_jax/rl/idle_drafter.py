@@ -91,7 +91,10 @@ class IdleDrafter:
             "drafter/failed_rounds": int(report.error is not None),
             "drafter/loss": report.mean_loss,
             "drafter/idle_device_s_available": done_at - finished,
-            "drafter/idle_device_s_used": float(sum(e - s for s, e in report.spans)),
+            # Only seconds inside the idle window count: the step in flight at the stop
+            # runs past it (that overrun is the preempt latency, not idle time used).
+            "drafter/idle_device_s_used": float(sum(max(0.0, min(e, done_at) - s)
+                                                    for s, e in report.spans)),
             "drafter/preempt_latency_s": max(0.0, time.perf_counter() - done_at),
             "drafter/train_spans": [(s - finished, e - finished) for s, e in report.spans]}
 

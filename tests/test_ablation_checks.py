@@ -1,0 +1,80 @@
+"""experiments/ablation_checks.py on small synthetic histories: each check's figures and
+its verdict, both ways."""
+import pytest
+
+from experiments import ablation_checks as checks
+
+
+def _step(n, **fields):
+  return {"step": n, **fields}
+
+
+def test_accept_gain_is_judged_on_the_last_step_both_drafted():
+  online = [_step(0), _step(1, **{"spec/accept_len": 2.0}), _step(2, **{"spec/accept_len": 0.0}),
+            _step(3, **{"spec/accept_len": 3.0})]
+  frozen = [_step(s, **{"spec/accept_len": 2.0}) for s in (1, 2, 3)]
+  gain = checks.accept_gain(online, frozen)
+  assert gain["steps"] == [1, 3] and gain["ratio_by_step"] == [1.0, 1.5]
+  assert gain["ratio_last"] == 1.5 and gain["holds"]
+  assert not checks.accept_gain(online[:2], frozen)["holds"]      # 1.0 at its last step
+  assert not checks.accept_gain([], frozen)["holds"]
+
+
+def test_idle_use_counts_the_steps_process_0_trained_in():
+  history = [
+      _step(1, **{"drafter/idle_device_s_available": 0.0, "drafter/idle_device_s_used": 0.0}),
+      _step(2, **{"drafter/idle_device_s_available": 10.0, "drafter/idle_device_s_used": 9.0,
+                  "drafter/train_spans": [[0.1, 3.1], [3.1, 6.1], [6.1, 9.1]],
+                  "drafter/preempt_latency_s": 1.0}),
+      _step(3, **{"drafter/idle_device_s_available": 10.0, "drafter/idle_device_s_used": 8.0,
+                  "drafter/train_spans": [[0.5, 4.5], [4.5, 8.5]],
+                  "drafter/preempt_latency_s": 2.0})]
+  use = checks.idle_use(history)
+  assert use["steps"] == [2, 3] and use["used_frac"] == pytest.approx(0.85)
+  assert use["drafter_step_s_median"] == pytest.approx(3.0)
+  assert use["preempt_latency_p99_s"] == pytest.approx(1.99) and use["holds"]
+  history[2]["drafter/preempt_latency_s"] = 5.0                   # longer than a step
+  assert not checks.idle_use(history)["holds"]
+  assert not checks.idle_use(history[:1])["holds"]                 # nothing to judge
+
+
+def _run(rewards, val):
+  history = [_step(0, **{"val/accuracy": 0.25, "val/prompts": 16})]
+  history += [_step(s, **{"reward/mean": r}) for s, r in enumerate(rewards, 1)]
+  history[-1].update({"val/accuracy": val, "val/prompts": 16})   # the last step validates
+  return history
+
+
+def test_losslessness_tests_rewards_and_validation_as_two_samples():
+  same = checks.losslessness(_run([0.1, 0.3, 0.2, 0.4, 0.0, 0.3], 0.25),
+                             _run([0.2, 0.1, 0.3, 0.3, 0.1, 0.2], 0.3125))
+  assert same["steps"] == [1, 2, 3, 4, 5, 6] and same["reward_mannwhitney_p"] > 0.5
+  assert same["val_steps"] == [0, 6] and same["val_correct"] == [4, 5]
+  assert same["val_prompts"] == [16, 16] and same["val_fisher_p"] == pytest.approx(1.0)
+  assert same["val_step0"] == [0.25, 0.25] and same["holds"]
+  shifted = checks.losslessness(_run([0.0] * 8, 0.25), _run([0.5 + 0.01 * i for i in range(8)],
+                                                            0.25))
+  assert shifted["reward_mannwhitney_p"] < 0.01 and not shifted["holds"]
+  worse = checks.losslessness(_run([0.1] * 6, 1.0), _run([0.1] * 6, 0.0))
+  assert worse["val_fisher_p"] < 0.01 and not worse["holds"]
+
+
+def test_tail_share_uses_the_steps_process_0_was_slowest():
+  history = [_step(1, **{"rollout/live_rows_trace": [[1, 4], [2, 2], [5, 1], [6, 0]],
+                         "rollout/replica_s": [6.0, 3.0], "timing/step_s": 10.0}),
+             _step(2, **{"rollout/live_rows_trace": [[1, 4], [3, 1], [4, 0]],
+                         "rollout/replica_s": [4.0, 9.0], "timing/step_s": 20.0}),
+             _step(3, **{"rollout/live_rows_trace": [[1, 3], [2, 2], [4, 0]],
+                         "rollout/replica_s": [4.0, 1.0], "timing/step_s": 20.0})]
+  share = checks.tail_share(history, tail_rows=2)
+  assert share == {"steps_used": 2, "share_median": pytest.approx((0.4 + 0.1) / 2)}
+
+
+def test_speed_against_the_amdahl_bound():
+  base = [_step(s, **{"timing/step_s": t}) for s, t in ((1, 500.0), (2, 100.0), (3, 200.0))]
+  other = [_step(s, **{"timing/step_s": t}) for s, t in ((1, 900.0), (2, 120.0), (3, 220.0))]
+  result = checks.speed(base, other, tail=0.5, sd_speedup=0.8)    # step 1 left out
+  assert result["steps"] == [2, 3] and result["bound_ratio"] == pytest.approx(1.125)
+  assert result["ratio_of_medians"] == pytest.approx(170 / 150)
+  assert result["ratio_paired_median"] == pytest.approx((1.2 + 1.1) / 2) and result["holds"]
+  assert not checks.speed(base, other, tail=0.5, sd_speedup=2.0)["holds"]   # bound 0.75
