@@ -12,8 +12,11 @@ before any run starts.
 
 Writes OUT.json and OUT.md (one row per config: median step, rollout and tail seconds,
 accept length, drafter train steps, idle seconds used / available, reward and validation
-accuracy at the last step, steps done) and OUT_step_time.png, OUT_accept_len.png (one line
-per config).
+accuracy at the last step, steps done; below it the TLT issue's checks, from
+experiments/ablation_checks.py) and OUT_step_time.png, OUT_accept_len.png (one line per
+config). The speed check's SD speedup at the tail's batch comes from --sd_speedup_json:
+  python benchmarks/rollout.py --batches=1,2 --temperatures=1 \
+      --strategies=3_1_4,4_1_5,6_1_7 --tail_rows=0 --accept_prompts=0 --output=FILE
 """
 from __future__ import annotations
 
@@ -269,34 +272,41 @@ def write_plots(series: dict[str, dict[str, list]], out: str) -> list[str]:
 
 
 def sd_settings() -> dict[str, Any]:
-  """The drafting configs' SD threshold and the workload's temperature, from the flagfiles."""
+  """The learned drafting configs' SD settings and the workload's temperature, from the
+  flagfiles as they are now (the runs read are assumed made with them)."""
   (parsed,) = parse_flagfiles([flagfile("tlt_frozen")]).values()
   if "error" in parsed:
     raise UserInputError(f"{flagfile('tlt_frozen')}: {parsed['error']}")
-  return {k: parsed["flags"][k] for k in ("sd_threshold", "temperature")}
+  return {k: parsed["flags"][k] for k in ("sd_threshold", "temperature", "drafter", "strategy")}
 
 
-def tail_sd_speedup(path: str, tail_rows: int, temperature: float) -> float | None:
-  """benchmarks/rollout.py's paired SD speedup at the tail: per batch of <= tail_rows rows
-  at `temperature` its best strategy's (the bandit's pick, once it has learned), the median
-  over those batches; None when there is no such file."""
+def tail_sd_speedup(path: str, sd: dict[str, Any]) -> float | None:
+  """benchmarks/rollout.py's paired SD speedup at the tail: per batch of <= the SD threshold
+  rows at the workload's temperature, the best of the configs' strategies (the bandit's
+  pick, once it has learned), the median over those batches; None without the file."""
   if not os.path.isfile(path):
     return None
   with open(path) as f:
-    fixed = json.load(f).get("fixed", [])
+    result = json.load(f)
+  if result.get("drafter") != sd["drafter"]:
+    raise UserInputError(f"--sd_speedup_json={path}: measured with drafter "
+                         f"{result.get('drafter')!r}, the ablation drafts with {sd['drafter']!r}")
   best: dict[int, float] = {}
-  for s in fixed:
-    if s["batch"] <= tail_rows and s["temperature"] == temperature:
+  for s in result.get("fixed", []):
+    if (s["batch"] <= sd["sd_threshold"] and s["temperature"] == sd["temperature"]
+        and s["strategy"] in sd["strategy"].split(",")):
       best[s["batch"]] = max(best.get(s["batch"], 0.0), s["speedup_paired_median"])
   if not best:
-    raise UserInputError(f"--sd_speedup_json={path}: no fixed batch of <= {tail_rows} rows "
-                         f"at temperature {temperature}")
+    raise UserInputError(f"--sd_speedup_json={path}: no fixed batch of <= "
+                         f"{sd['sd_threshold']} rows at temperature {sd['temperature']} with a "
+                         f"strategy of {sd['strategy']}")
   return statistics.median(best.values())
 
 
 def run_checks(histories: dict[str, Any], rows: Sequence[dict[str, Any]], tail_rows: int,
                sd_speedup: float | None) -> dict[str, Any]:
-  """The issue's checks (experiments/ablation_checks.py) that the configs present allow."""
+  """The issue's checks (experiments/ablation_checks.py) that the configs present allow;
+  the speed check, when it cannot be judged, says why under `speed_skipped`."""
   h, checks = histories, {}
   if {"tlt", "tlt_frozen"} <= h.keys():
     checks["accept_gain"] = ablation_checks.accept_gain(h["tlt"], h["tlt_frozen"])
@@ -304,19 +314,19 @@ def run_checks(histories: dict[str, Any], rows: Sequence[dict[str, Any]], tail_r
     checks["idle_use"] = ablation_checks.idle_use(h["tlt"])
   if {"baseline", "tlt"} <= h.keys():
     checks["losslessness"] = ablation_checks.losslessness(h["baseline"], h["tlt"])
-  accept = {r["config"]: r["accept_len"] for r in rows if r.get("accept_len")}
-  order = [c for c in ("tlt", "tlt_frozen", "tlt_base") if c in accept]
-  if len(order) > 1:
-    checks["accept_order"] = {"configs": order, "accept_len": [accept[c] for c in order],
-                              "holds": all(accept[a] >= accept[b]
-                                           for a, b in zip(order, order[1:]))}
-  if "baseline" not in h:
-    return checks
-  tail = ablation_checks.tail_share(h["baseline"], tail_rows)
-  checks["tail_share"] = tail
+  order = ablation_checks.accept_order({r["config"]: r.get("accept_len") for r in rows})
+  if order is not None:
+    checks["accept_order"] = order
   # The bound's SD speedup is the learned drafter's, so only the learned-only configs.
   learned = [c for c in ("tlt_frozen", "tlt") if c in h]
-  if sd_speedup is not None and tail["share_median"] is not None and learned:
+  if "baseline" not in h or not learned:
+    return checks
+  tail = checks["tail_share"] = ablation_checks.tail_share(h["baseline"], tail_rows)
+  if sd_speedup is None:
+    checks["speed_skipped"] = f"no {_SD_SPEEDUP_JSON.value} (benchmarks/rollout.py's JSON)"
+  elif tail["share_median"] is None:
+    checks["speed_skipped"] = "no baseline step where process 0 was the slowest replica"
+  else:
     checks["speed"] = {c: ablation_checks.speed(h["baseline"], h[c], tail["share_median"],
                                                 sd_speedup) for c in learned}
   return checks
@@ -328,33 +338,43 @@ def checks_markdown(checks: dict[str, Any]) -> str:
   lines = []
   if "accept_gain" in checks:
     c = checks["accept_gain"]
-    lines.append(f"- accept length, tlt over tlt_frozen at step {c['steps'][-1]}: "
-                 f"{c['ratio_last']:.2f} (goal >= {c['goal']}): {verdict(c)}"
-                 if c["steps"] else "- accept length, tlt over tlt_frozen: no common step")
+    lines.append(f"- accept length, tlt over tlt_frozen (process 0) on steps {c['steps']}: "
+                 f"{', '.join(f'{r:.2f}' for r in c['ratio_by_step'])}; median of the last "
+                 f"{ablation_checks.LAST_STEPS} {_num(c['ratio_late_median'], '.2f')} "
+                 f"(goal >= {c['goal']}): {verdict(c)}")
   if "idle_use" in checks:
     c = checks["idle_use"]
     lines.append(f"- idle seconds used by drafter training: {c['used_s']:.0f} / "
                  f"{c['available_s']:.0f} = {_num(c['used_frac'], '.2f')} (goal >= 0.8; "
                  f"process 0, steps {c['steps']}); stop latency p99 "
-                 f"{_num(c['preempt_latency_p99_s'], '.2f')} s against a drafter step of "
-                 f"{_num(c['drafter_step_s_median'], '.2f')} s: {verdict(c)}")
+                 f"{_num(c['preempt_latency_p99_s'], '.2f')} s against a drafter step's "
+                 f"{_num(c['drafter_step_s_p99'], '.2f')} s (median "
+                 f"{_num(c['drafter_step_s_median'], '.2f')} s, {c['drafter_steps']} steps): "
+                 f"{verdict(c)}")
   if "losslessness" in checks:
     c = checks["losslessness"]
-    lines.append(f"- baseline vs tlt: rewards per step (means {c['reward_mean'][0]:.3f} / "
-                 f"{c['reward_mean'][1]:.3f}) Mann-Whitney U p = "
-                 f"{c['reward_mannwhitney_p']:.2f}; validation after step 0 "
-                 f"{c['val_correct'][0]}/{c['val_prompts'][0]} vs {c['val_correct'][1]}/"
-                 f"{c['val_prompts'][1]} correct, Fisher p = {_num(c['val_fisher_p'], '.2f')}; "
-                 f"step 0 (greedy) {c['val_step0'][0]} / {c['val_step0'][1]}: {verdict(c)}")
+    means = " / ".join(f"{m:.3f}" for m in c["reward_mean"] or [])
+    lines.append(f"- baseline vs tlt over steps {c['steps']}: rewards per step (means {means}) "
+                 f"Mann-Whitney U p = {_num(c['reward_mannwhitney_p'], '.2f')} (paired "
+                 f"Wilcoxon p = {_num(c['reward_wilcoxon_p'], '.2f')}); validation at step "
+                 f"{c['val_step']}: {c['val_correct']} of {c['val_prompts']} correct, Fisher "
+                 f"p = {_num(c['val_fisher_p'], '.2f')}; step 0 (greedy) {c['val_step0']}: "
+                 f"{verdict(c)}")
   if "accept_order" in checks:
     c = checks["accept_order"]
     lines.append(f"- accept length order {' >= '.join(c['configs'])}: "
                  f"{' / '.join(f'{v:.2f}' for v in c['accept_len'])}: {verdict(c)}")
+  if "tail_share" in checks:
+    c = checks["tail_share"]
+    lines.append(f"- tail share f of a baseline step (<= the SD threshold's live rows): "
+                 f"{_num(c['share_median'], '.2f')} ({c['steps_used']} steps)")
+  if "speed_skipped" in checks:
+    lines.append(f"- speed: not judged ({checks['speed_skipped']})")
   for config, c in checks.get("speed", {}).items():
-    lines.append(f"- step time of {config} over baseline's: {c['ratio_of_medians']:.2f} "
-                 f"(per-step ratios' median {c['ratio_paired_median']:.2f}) against the bound "
-                 f"{c['bound_ratio']:.2f} = 1 - f + f / s, tail share f "
-                 f"{c['tail_share']:.2f}, SD speedup at the tail's batch s "
+    lines.append(f"- step time of {config} over baseline's: "
+                 f"{_num(c['ratio_of_medians'], '.2f')} (per-step ratios' median "
+                 f"{_num(c['ratio_paired_median'], '.2f')}) against the bound "
+                 f"{c['bound_ratio']:.2f} = 1 - f + f / s, SD speedup at the tail's batch s "
                  f"{c['sd_speedup_at_tail']:.2f}: {verdict(c)} (within 10%)")
   return "\n".join(["## Checks", "", *lines, ""]) if lines else ""
 
@@ -387,12 +407,10 @@ def main(argv):
   check_inputs(configs, steps, run_root, _READ_ONLY.value)
   cli.check_output_file(f"{_OUT.value}.json", "--out")
   sd = sd_settings()
-  sd_speedup = tail_sd_speedup(_SD_SPEEDUP_JSON.value, sd["sd_threshold"], sd["temperature"])
+  sd_speedup = tail_sd_speedup(_SD_SPEEDUP_JSON.value, sd)
   if not _READ_ONLY.value:
     run_configs(configs, steps, run_root)
   result = write_table(configs, run_root, steps, _OUT.value, sd, sd_speedup)
-  if sd_speedup is None:
-    print(f"note: no {_SD_SPEEDUP_JSON.value}: the speed check is skipped", file=sys.stderr)
   print(f"{markdown_table(result['rows'])}\n{checks_markdown(result['checks'])}\n"
         f"written: {_OUT.value}.json, {_OUT.value}.md, "
         f"{_OUT.value}_step_time.png, {_OUT.value}_accept_len.png", file=sys.stderr)

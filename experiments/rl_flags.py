@@ -4,6 +4,7 @@ loads or any long work starts."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -311,13 +312,19 @@ def spot_from_flags(spec, algo: dict, replicas):
                          "trains on the replicas whose rollout is done while others decode")
   from tlt_jax.drafter.buffer import is_heldout
 
-  # The deploy gate scores on each step's held-out responses: with none it never deploys.
-  responses = _PROMPTS.value * _GROUP.value // replicas.count
+  # The deploy gate scores on the held-out responses of every replica's latest rollout
+  # (each replica holds out its own): with none it can never deploy.
+  responses = replicas.max_block(_PROMPTS.value) * _GROUP.value
   fraction = spot.buffer.heldout_fraction
+  if responses < 2:
+    raise UserInputError(f"--drafter_train={spot.train}: a replica rolls out {responses} "
+                         "response a step, none to hold out for the deploy gate beside one to "
+                         "train on; raise --prompts_per_step or --group_size")
   if not any(is_heldout(i, fraction) for i in range(responses)):
     raise UserInputError(f"--drafter_heldout_fraction={fraction}: holds out none of a "
                          f"replica's {responses} responses a step, so the deploy gate could "
-                         f"never deploy a trained drafter; use >= {1 / responses:.3g}")
+                         f"never deploy a trained drafter; use >= "
+                         f"{math.ceil(1000 / responses) / 1000:g}")
   return spot
 
 

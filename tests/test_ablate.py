@@ -91,12 +91,12 @@ def test_table_from_synthetic_run_dirs(synthetic_runs, tmp_path):
   out = str(tmp_path / "results" / "ablation")
   os.makedirs(os.path.dirname(out))
   speedup = tmp_path / "rollout.json"    # benchmarks/rollout.py's shape: the best of batch 1
-  speedup.write_text(json.dumps({"fixed": [      # and 2 at T=1 (the workload's), median
-      {"batch": 1, "temperature": 1.0, "speedup_paired_median": 0.5},
-      {"batch": 1, "temperature": 1.0, "speedup_paired_median": 0.7},
-      {"batch": 2, "temperature": 1.0, "speedup_paired_median": 0.9},
-      {"batch": 2, "temperature": 0.0, "speedup_paired_median": 3.0},
-      {"batch": 4, "temperature": 1.0, "speedup_paired_median": 3.0}]}))
+  fixed = lambda batch, t, strategy, x: {"batch": batch, "temperature": t, "strategy": strategy,
+                                         "speedup_paired_median": x}
+  speedup.write_text(json.dumps({"drafter": "assets/drafter_smollm2", "fixed": [
+      fixed(1, 1.0, "3_1_4", 0.5), fixed(1, 1.0, "4_1_5", 0.7), fixed(2, 1.0, "6_1_7", 0.9),
+      fixed(1, 1.0, "8_8_32", 3.0),                  # not in the configs' pool
+      fixed(2, 0.0, "4_1_5", 3.0), fixed(4, 1.0, "4_1_5", 3.0)]}))   # other T, batch
   proc = run_ablate("--configs=baseline,tlt", "--steps=3", f"--run_root={synthetic_runs}",
                     "--read_only", f"--out={out}", f"--sd_speedup_json={speedup}")
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -124,7 +124,8 @@ def test_table_from_synthetic_run_dirs(synthetic_runs, tmp_path):
   checks = result["checks"]
   assert set(checks) == {"idle_use", "losslessness", "tail_share", "speed"}
   assert result["sd"] == {"sd_threshold": 2, "temperature": 1.0, "speedup_at_tail": 0.8,
-                          "speedup_source": str(speedup)}
+                          "drafter": "assets/drafter_smollm2",
+                          "strategy": "3_1_4,4_1_5,6_1_7", "speedup_source": str(speedup)}
   assert checks["tail_share"] == {"steps_used": 1, "share_median": pytest.approx(0.5)}
   assert checks["speed"]["tlt"]["bound_ratio"] == pytest.approx(0.5 + 0.5 / 0.8)
   assert checks["losslessness"]["val_step0"] == [0.25, 0.25]
@@ -157,3 +158,21 @@ def test_bad_input_is_one_line_before_any_run(synthetic_runs, tmp_path, args, me
   assert proc.stderr.strip().splitlines() == [
       "error: " + message.format(root=synthetic_runs)], proc.stderr
   assert not os.path.exists(out + ".json")
+
+
+def test_the_speed_check_says_why_it_is_not_judged(synthetic_runs, tmp_path):
+  out = str(tmp_path / "ablation")
+  missing = tmp_path / "none.json"
+  proc = run_ablate("--configs=baseline,tlt", "--steps=3", f"--run_root={synthetic_runs}",
+                    "--read_only", f"--out={out}", f"--sd_speedup_json={missing}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert (f"- speed: not judged (no {missing} (benchmarks/rollout.py's JSON))"
+          in open(out + ".md").read())
+  other = tmp_path / "ngram.json"     # measured with another drafter: refused before anything
+  other.write_text(json.dumps({"drafter": "ngram", "fixed": []}))
+  proc = run_ablate("--configs=baseline,tlt", "--steps=3", f"--run_root={synthetic_runs}",
+                    "--read_only", f"--out={out}2", f"--sd_speedup_json={other}")
+  assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+      f"error: --sd_speedup_json={other}: measured with drafter 'ngram', the ablation drafts "
+      "with 'assets/drafter_smollm2'"], proc.stderr
+  assert not os.path.exists(out + "2.json")

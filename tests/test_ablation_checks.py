@@ -9,15 +9,23 @@ def _step(n, **fields):
   return {"step": n, **fields}
 
 
-def test_accept_gain_is_judged_on_the_last_step_both_drafted():
-  online = [_step(0), _step(1, **{"spec/accept_len": 2.0}), _step(2, **{"spec/accept_len": 0.0}),
-            _step(3, **{"spec/accept_len": 3.0})]
-  frozen = [_step(s, **{"spec/accept_len": 2.0}) for s in (1, 2, 3)]
+def test_accept_gain_is_judged_on_the_last_steps_both_drafted():
+  accept = [2.0, 0.0, 3.0, 2.6, 2.4]                  # no SD at step 2
+  online = [_step(0)] + [_step(s, **{"spec/accept_len": a}) for s, a in enumerate(accept, 1)]
+  frozen = [_step(s, **{"spec/accept_len": 2.0}) for s in range(1, 6)]
   gain = checks.accept_gain(online, frozen)
-  assert gain["steps"] == [1, 3] and gain["ratio_by_step"] == [1.0, 1.5]
-  assert gain["ratio_last"] == 1.5 and gain["holds"]
-  assert not checks.accept_gain(online[:2], frozen)["holds"]      # 1.0 at its last step
+  assert gain["steps"] == [1, 3, 4, 5] and gain["ratio_by_step"] == [1.0, 1.5, 1.3, 1.2]
+  assert gain["ratio_last"] == 1.2 and gain["ratio_late_median"] == 1.3 and gain["holds"]
+  assert not checks.accept_gain(online[:2], frozen)["holds"]      # 1.0
   assert not checks.accept_gain([], frozen)["holds"]
+
+
+def test_accept_order():
+  assert checks.accept_order({"tlt": 2.5, "tlt_frozen": 2.2, "tlt_base": 1.4, "baseline": None})[
+      "holds"]
+  worse = checks.accept_order({"tlt": 2.1, "tlt_frozen": 2.2})
+  assert worse["configs"] == ["tlt", "tlt_frozen"] and not worse["holds"]
+  assert checks.accept_order({"tlt": 2.1, "baseline": None}) is None
 
 
 def test_idle_use_counts_the_steps_process_0_trained_in():
@@ -31,9 +39,10 @@ def test_idle_use_counts_the_steps_process_0_trained_in():
                   "drafter/preempt_latency_s": 2.0})]
   use = checks.idle_use(history)
   assert use["steps"] == [2, 3] and use["used_frac"] == pytest.approx(0.85)
-  assert use["drafter_step_s_median"] == pytest.approx(3.0)
+  assert use["drafter_steps"] == 5 and use["drafter_step_s_median"] == pytest.approx(3.0)
+  assert use["drafter_step_s_p99"] == pytest.approx(4.0)
   assert use["preempt_latency_p99_s"] == pytest.approx(1.99) and use["holds"]
-  history[2]["drafter/preempt_latency_s"] = 5.0                   # longer than a step
+  history[2]["drafter/preempt_latency_s"] = 4.5                   # longer than any step
   assert not checks.idle_use(history)["holds"]
   assert not checks.idle_use(history[:1])["holds"]                 # nothing to judge
 
@@ -41,6 +50,7 @@ def test_idle_use_counts_the_steps_process_0_trained_in():
 def _run(rewards, val):
   history = [_step(0, **{"val/accuracy": 0.25, "val/prompts": 16})]
   history += [_step(s, **{"reward/mean": r}) for s, r in enumerate(rewards, 1)]
+  history[3].update({"val/accuracy": 0.0, "val/prompts": 16})     # an earlier validation
   history[-1].update({"val/accuracy": val, "val/prompts": 16})   # the last step validates
   return history
 
@@ -49,14 +59,22 @@ def test_losslessness_tests_rewards_and_validation_as_two_samples():
   same = checks.losslessness(_run([0.1, 0.3, 0.2, 0.4, 0.0, 0.3], 0.25),
                              _run([0.2, 0.1, 0.3, 0.3, 0.1, 0.2], 0.3125))
   assert same["steps"] == [1, 2, 3, 4, 5, 6] and same["reward_mannwhitney_p"] > 0.5
-  assert same["val_steps"] == [0, 6] and same["val_correct"] == [4, 5]
+  assert same["reward_wilcoxon_p"] > 0.5
+  assert same["val_step"] == 6 and same["val_correct"] == [4, 5]   # the last validation only
   assert same["val_prompts"] == [16, 16] and same["val_fisher_p"] == pytest.approx(1.0)
   assert same["val_step0"] == [0.25, 0.25] and same["holds"]
   shifted = checks.losslessness(_run([0.0] * 8, 0.25), _run([0.5 + 0.01 * i for i in range(8)],
                                                             0.25))
   assert shifted["reward_mannwhitney_p"] < 0.01 and not shifted["holds"]
   worse = checks.losslessness(_run([0.1] * 6, 1.0), _run([0.1] * 6, 0.0))
-  assert worse["val_fisher_p"] < 0.01 and not worse["holds"]
+  assert worse["val_fisher_p"] < 0.01 and worse["reward_wilcoxon_p"] is None
+  assert not worse["holds"]
+  # Too few steps for a rank test, or no step-0 validation on either side: not judged.
+  few = checks.losslessness(_run([0.1, 0.2, 0.3, 0.2], 0.25), _run([0.1, 0.2, 0.3, 0.2], 0.25))
+  assert few["reward_mannwhitney_p"] is None and not few["holds"]
+  unvalidated = [_run([0.1, 0.3, 0.2, 0.4, 0.0, 0.3], 0.25)[1:] for _ in range(2)]
+  assert checks.losslessness(*unvalidated)["val_step0"] == [None, None]
+  assert not checks.losslessness(*unvalidated)["holds"]
 
 
 def test_tail_share_uses_the_steps_process_0_was_slowest():
@@ -78,3 +96,5 @@ def test_speed_against_the_amdahl_bound():
   assert result["ratio_of_medians"] == pytest.approx(170 / 150)
   assert result["ratio_paired_median"] == pytest.approx((1.2 + 1.1) / 2) and result["holds"]
   assert not checks.speed(base, other, tail=0.5, sd_speedup=2.0)["holds"]   # bound 0.75
+  one = checks.speed(base[:1], other[:1], tail=0.5, sd_speedup=0.8)   # one step: kept
+  assert one["steps"] == [1] and one["ratio_of_medians"] == pytest.approx(1.8)

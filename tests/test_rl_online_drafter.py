@@ -105,7 +105,10 @@ def test_greedy_rollouts_are_the_same_with_and_without_the_online_drafter(
     assert [r["step"] for r in runs[name]] == [1, 2], proc.stderr[-3000:]
   plain, online = runs["plain"], runs["online"]
   assert all(r["spec/verify_steps"] > 0 for r in online)            # SD drafted both steps
-  assert online[0]["drafter/train_steps"] > 0 and online[0]["drafter/deployed"] == 1
+  # Process 0's metrics: it trained in a step it finished first (replica 1 is held back),
+  # and the gate deployed what was trained, so a later rollout drafted with new weights.
+  assert any(r.get("drafter/train_steps", 0) > 0 for r in online), online
+  assert online[0].get("drafter/deployed") == 1, online[0]
   for a, b in zip(plain, online):
     compared = [k for k in a if k.startswith(("actor/", "reward/", "response_len/", "data/"))
                 and k != "actor/ratio_mean"]   # it carries the rollout log-probs' rounding
