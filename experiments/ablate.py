@@ -371,9 +371,9 @@ def checks_markdown(checks: dict[str, Any]) -> str:
   if "speed_skipped" in checks:
     lines.append(f"- speed: not judged ({checks['speed_skipped']})")
   for config, c in checks.get("speed", {}).items():
-    lines.append(f"- step time of {config} over baseline's: "
-                 f"{_num(c['ratio_of_medians'], '.2f')} (per-step ratios' median "
-                 f"{_num(c['ratio_paired_median'], '.2f')}) against the bound "
+    lines.append(f"- step time of {config} over baseline's, median of per-step ratios: "
+                 f"{_num(c['ratio_paired_median'], '.2f')} (ratio of the medians "
+                 f"{_num(c['ratio_of_medians'], '.2f')}) against the bound "
                  f"{c['bound_ratio']:.2f} = 1 - f + f / s, SD speedup at the tail's batch s "
                  f"{c['sd_speedup_at_tail']:.2f}: {verdict(c)} (within 10%)")
   return "\n".join(["## Checks", "", *lines, ""]) if lines else ""
