@@ -91,8 +91,10 @@ def parse_flagfiles(paths: Sequence[str]) -> dict[str, dict[str, Any]]:
   return json.loads(result.stdout)
 
 
-def check_inputs(configs: Sequence[str], steps: int, run_root: str, read_only: bool) -> None:
-  """Every input checked before anything runs: one UserInputError naming the first bad one."""
+def check_inputs(configs: Sequence[str], steps: int, run_root: str, read_only: bool
+                 ) -> dict[str, Any]:
+  """Every input checked before anything runs: one UserInputError naming the first bad one.
+  Returns the SD settings the checks judge by (`sd_settings`), from the same single parse."""
   if not configs:
     raise UserInputError("--configs: no config given")
   unknown = [c for c in configs if c not in CONFIGS]
@@ -108,10 +110,13 @@ def check_inputs(configs: Sequence[str], steps: int, run_root: str, read_only: b
       path = os.path.join(run_root, config, METRICS_FILE)
       if not os.path.isfile(path):
         raise UserInputError(f"--read_only: no run of {config!r}: {path} does not exist")
-    return
-  for path, parsed in parse_flagfiles([flagfile(c) for c in configs]).items():
-    if "error" in parsed:
-      raise UserInputError(f"{path}: {parsed['error']}")
+  paths = [] if read_only else [flagfile(c) for c in configs]
+  paths += [flagfile("tlt_frozen")] * (flagfile("tlt_frozen") not in paths)
+  parsed = parse_flagfiles(paths)
+  for path in paths:
+    if "error" in parsed[path]:
+      raise UserInputError(f"{path}: {parsed[path]['error']}")
+  return sd_settings(parsed[flagfile("tlt_frozen")]["flags"])
 
 
 def read_history(run_dir: str) -> list[dict[str, Any]]:
@@ -271,13 +276,10 @@ def write_plots(series: dict[str, dict[str, list]], out: str) -> list[str]:
   return paths
 
 
-def sd_settings() -> dict[str, Any]:
+def sd_settings(frozen_flags: dict[str, Any]) -> dict[str, Any]:
   """The learned drafting configs' SD settings and the workload's temperature, from the
-  flagfiles as they are now (the runs read are assumed made with them)."""
-  (parsed,) = parse_flagfiles([flagfile("tlt_frozen")]).values()
-  if "error" in parsed:
-    raise UserInputError(f"{flagfile('tlt_frozen')}: {parsed['error']}")
-  return {k: parsed["flags"][k] for k in ("sd_threshold", "temperature", "drafter", "strategy")}
+  tlt_frozen flagfile as it is now (the runs read are assumed made with it)."""
+  return {k: frozen_flags[k] for k in ("sd_threshold", "temperature", "drafter", "strategy")}
 
 
 def tail_sd_speedup(path: str, sd: dict[str, Any]) -> float | None:
@@ -404,9 +406,8 @@ def write_table(configs: Sequence[str], run_root: str, steps: int, out: str,
 def main(argv):
   del argv
   configs, steps, run_root = _CONFIGS.value, _STEPS.value, _RUN_ROOT.value
-  check_inputs(configs, steps, run_root, _READ_ONLY.value)
+  sd = check_inputs(configs, steps, run_root, _READ_ONLY.value)
   cli.check_output_file(f"{_OUT.value}.json", "--out")
-  sd = sd_settings()
   sd_speedup = tail_sd_speedup(_SD_SPEEDUP_JSON.value, sd)
   if not _READ_ONLY.value:
     run_configs(configs, steps, run_root)
