@@ -2,13 +2,18 @@
 
   python -m experiments.ablate --configs=baseline,tlt_base,tlt_frozen,tlt,tlt_hybrid \
       --steps=10 [--run_root=runs/ablation] [--read_only] [--out=benchmarks/results/ablation_cpu]
+      [--set=--FLAG=VALUE ...]
 
 A config NAME is the flagfile experiments/configs/ablation/NAME.flags (every one includes the
 shared workload, base.flags). Its run dir is RUN_ROOT/NAME: a run that exists is continued
-(`--resume=auto`), one already at --steps is left alone, so the table can be built over
-several sessions; with --read_only nothing runs and every run dir must exist. Every input
-is checked (config names, the flagfiles parsed by experiments.run's own flags, the run dirs)
-before any run starts.
+(`--resume=auto`). Each finished run's metrics history is kept beside the table, in
+OUT_runs/NAME.jsonl with the flags its flagfile set (OUT_runs/NAME.flags.json): run dirs stay
+on the machine that made them, the kept histories go with the results, so the table can be
+built over several sessions and machines. A config whose kept history reaches --steps is not
+run again; one kept with other flags than its flagfile sets now is refused (delete the kept
+files to run it again). With --read_only nothing runs. Every input is checked (config
+names, the flagfiles parsed by experiments.run's own flags, the histories) before any run
+starts.
 
 Writes OUT.json and OUT.md (one row per config: median step, rollout and tail seconds,
 accept length, drafter train steps, idle seconds used / available, reward and validation
@@ -36,7 +41,8 @@ from tlt_jax.files import atomic_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_DIR = os.path.join("experiments", "configs", "ablation")   # relative to REPO
-CONFIGS = ("baseline", "tlt_base", "tlt_frozen", "tlt", "tlt_hybrid")
+CONFIGS = ("baseline", "baseline_one_process", "tlt_base", "tlt_frozen", "tlt", "tlt_hybrid")
+BASELINES = ("baseline", "baseline_one_process")   # no SD: two pinned processes, or one
 METRICS_FILE = "metrics.jsonl"   # tlt_jax.rl.metrics.METRICS_FILE, without importing jax's rl
 
 _CONFIGS = flags.DEFINE_list("configs", ",".join(CONFIGS), f"Configs to run, in order: any "
@@ -45,12 +51,16 @@ _STEPS = flags.DEFINE_integer("steps", 10, "RL steps per config.")
 _RUN_ROOT = flags.DEFINE_string("run_root", os.path.join("runs", "ablation"),
                                 "Run dirs: RUN_ROOT/CONFIG.")
 _READ_ONLY = flags.DEFINE_bool("read_only", False, "Run nothing: build the table from the "
-                               "existing run dirs.")
+                               "kept histories (and run dirs newer than them).")
 _SD_SPEEDUP_JSON = flags.DEFINE_string(
     "sd_speedup_json", os.path.join("benchmarks", "results", "rollout_tail_batch_cpu.json"),
     "benchmarks/rollout.py's JSON at the tail's batches: its paired SD speedup at batches <= "
     "the SD threshold, at the workload's temperature, bounds the step time (the speed "
     "check); a missing file skips that check, saying so.")
+_SET = flags.DEFINE_multi_string(
+    "set", [], "A flag added to every config's command line after its flagfile, e.g. "
+    "--set=--temperature=0: the ablation on a variant of the workload (give it its own "
+    "--run_root and --out).")
 _OUT = flags.DEFINE_string("out", os.path.join("benchmarks", "results", "ablation_cpu"),
                            "Output path prefix: OUT.json, OUT.md, OUT_*.png.")
 
@@ -67,9 +77,10 @@ import json, sys
 from absl import flags
 import experiments.run
 out = {}
-for path in sys.argv[1:]:
+extra = json.loads(sys.argv[1])
+for path in sys.argv[2:]:
   try:
-    flags.FLAGS(["run", "--flagfile=" + path])
+    flags.FLAGS(["run", "--flagfile=" + path, *extra])
     out[path] = {"flags": {f.name: f.value for m in flags.FLAGS.flags_by_module_dict()
                            if m.startswith("experiments.")
                            for f in flags.FLAGS.get_flags_for_module(m) if f.present}}
@@ -80,21 +91,25 @@ print(json.dumps(out))
 """
 
 
-def parse_flagfiles(paths: Sequence[str]) -> dict[str, dict[str, Any]]:
-  """Each flagfile parsed by experiments.run's own flags (absl): path -> {"flags": the
-  experiments flags it sets} or {"error": absl's message (an unknown flag, a bad value, a
-  missing included file)}. Paths relative to the repo root, as runs use them."""
-  result = subprocess.run([sys.executable, "-c", _PARSE, *paths], cwd=REPO,
+def parse_flagfiles(paths: Sequence[str], extra: Sequence[str] = ()
+                    ) -> dict[str, dict[str, Any]]:
+  """Each flagfile parsed by experiments.run's own flags (absl), with `extra` flags after
+  it: path -> {"flags": the experiments flags they set} or {"error": absl's message (an
+  unknown flag, a bad value, a missing included file)}. Paths relative to the repo root,
+  as runs use them."""
+  result = subprocess.run([sys.executable, "-c", _PARSE, json.dumps(list(extra)), *paths],
+                          cwd=REPO,
                           capture_output=True, text=True, check=False)
   if result.returncode != 0:
     raise RuntimeError(f"parsing the flagfiles failed:\n{result.stderr[-2000:]}")
   return json.loads(result.stdout)
 
 
-def check_inputs(configs: Sequence[str], steps: int, run_root: str, read_only: bool
-                 ) -> dict[str, Any]:
+def check_inputs(configs: Sequence[str], steps: int, run_root: str, out: str,
+                 read_only: bool, extra: Sequence[str] = ()) -> dict[str, Any]:
   """Every input checked before anything runs: one UserInputError naming the first bad one.
-  Returns the SD settings the checks judge by (`sd_settings`), from the same single parse."""
+  Returns, from one parse of the flagfiles, the SD settings the checks judge by
+  (`sd_settings`, under "sd") and each config's flags (under "flags")."""
   if not configs:
     raise UserInputError("--configs: no config given")
   unknown = [c for c in configs if c not in CONFIGS]
@@ -105,54 +120,101 @@ def check_inputs(configs: Sequence[str], steps: int, run_root: str, read_only: b
     raise UserInputError("--configs: a config is named twice")
   if steps < 1:
     raise UserInputError(f"--steps={steps}: must be >= 1")
-  if read_only:
-    for config in configs:
-      path = os.path.join(run_root, config, METRICS_FILE)
-      if not os.path.isfile(path):
-        raise UserInputError(f"--read_only: no run of {config!r}: {path} does not exist")
-  paths = [] if read_only else [flagfile(c) for c in configs]
+  paths = [flagfile(c) for c in configs]
   paths += [flagfile("tlt_frozen")] * (flagfile("tlt_frozen") not in paths)
-  parsed = parse_flagfiles(paths)
+  parsed = parse_flagfiles(paths, extra)
   for path in paths:
     if "error" in parsed[path]:
-      raise UserInputError(f"{path}: {parsed[path]['error']}")
-  return sd_settings(parsed[flagfile("tlt_frozen")]["flags"])
+      raise UserInputError(f"{path}{' with --set' if extra else ''}: {parsed[path]['error']}")
+  for config in configs:
+    check_kept(config, out, parsed[flagfile(config)]["flags"])
+    run_history = os.path.join(run_root, config, METRICS_FILE)
+    if read_only and not (os.path.isfile(kept_path(out, config))
+                          or os.path.isfile(run_history)):
+      raise UserInputError(f"--read_only: no run of {config!r}: neither "
+                           f"{kept_path(out, config)} nor {run_history} exists")
+  return {"sd": sd_settings(parsed[flagfile("tlt_frozen")]["flags"]),
+          "flags": {c: parsed[flagfile(c)]["flags"] for c in configs}}
 
 
-def read_history(run_dir: str) -> list[dict[str, Any]]:
-  """The run's metrics records (step 0 holds the first validation only)."""
-  with open(os.path.join(run_dir, METRICS_FILE)) as f:
+def kept_path(out: str, config: str) -> str:
+  return os.path.join(f"{out}_runs", f"{config}.jsonl")
+
+
+def _kept_flags_path(out: str, config: str) -> str:
+  return os.path.join(f"{out}_runs", f"{config}.flags.json")
+
+
+def check_kept(config: str, out: str, flags_now: dict[str, Any]) -> None:
+  """A kept history must come from the flags the config's flagfile sets now."""
+  path = _kept_flags_path(out, config)
+  if not os.path.isfile(kept_path(out, config)):
+    return
+  if not os.path.isfile(path):
+    raise UserInputError(f"{kept_path(out, config)}: kept without {path} (the flags it ran "
+                         f"with); delete it to run {config!r} again")
+  with open(path) as f:
+    kept = json.load(f)
+  differ = sorted(k for k in kept.keys() | flags_now.keys() if kept.get(k) != flags_now.get(k))
+  if differ:
+    k = differ[0]
+    raise UserInputError(f"{kept_path(out, config)}: run with --{k}={kept.get(k)}, "
+                         f"{flagfile(config)} now sets {flags_now.get(k)}; delete it and "
+                         f"{path} to run {config!r} again")
+
+
+def keep(config: str, run_root: str, out: str, flags_set: dict[str, Any]) -> None:
+  """Copies the run dir's history to OUT_runs/ when it has more steps than the kept one."""
+  source = os.path.join(run_root, config, METRICS_FILE)
+  if not os.path.isfile(source) or steps_done(source) <= steps_done(kept_path(out, config)):
+    return
+  os.makedirs(f"{out}_runs", exist_ok=True)
+  with open(source) as f, atomic_file(kept_path(out, config)) as g:
+    g.write(f.read())
+  with atomic_file(_kept_flags_path(out, config)) as g:
+    json.dump(flags_set, g, indent=1, sort_keys=True)
+
+
+def read_history(path: str) -> list[dict[str, Any]]:
+  """A run's metrics records (step 0 holds the first validation only)."""
+  with open(path) as f:
     return [json.loads(line) for line in f if line.strip()]
 
 
-def steps_done(run_dir: str) -> int:
-  path = os.path.join(run_dir, METRICS_FILE)
+def steps_done(path: str) -> int:
   if not os.path.isfile(path):
     return 0
-  return max((r["step"] for r in read_history(run_dir)), default=0)
+  return max((r["step"] for r in read_history(path)), default=0)
 
 
-def run_command(config: str, run_dir: str, steps: int) -> list[str]:
-  return [sys.executable, "-m", "experiments.run", f"--flagfile={flagfile(config)}",
+def run_command(config: str, run_dir: str, steps: int, extra: Sequence[str] = ()
+                ) -> list[str]:
+  return [sys.executable, "-m", "experiments.run", f"--flagfile={flagfile(config)}", *extra,
           f"--run_dir={run_dir}", f"--steps={steps}", "--resume=auto"]
 
 
-def run_configs(configs: Sequence[str], steps: int, run_root: str) -> None:
-  """Each config's run to `steps` steps, in order, its output passed through."""
+def run_configs(configs: Sequence[str], steps: int, run_root: str, out: str,
+                flags_set: dict[str, dict[str, Any]], extra: Sequence[str] = ()) -> None:
+  """Each config's run to `steps` steps, in order, its output passed through; each
+  finished run's history kept (`keep`)."""
   for i, config in enumerate(configs, 1):
     run_dir = os.path.abspath(os.path.join(run_root, config))
-    done = steps_done(run_dir)
+    keep(config, run_root, out, flags_set[config])
+    done = steps_done(kept_path(out, config))
     head = f"ablate [{i}/{len(configs)}] {config}:"
     if done >= steps:
-      print(f"{head} already at step {done} of {steps} ({run_dir})", file=sys.stderr)
+      print(f"{head} already at step {done} of {steps} ({kept_path(out, config)})",
+            file=sys.stderr)
       continue
     print(f"{head} steps {done + 1}..{steps} -> {run_dir}", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    code = subprocess.run(run_command(config, run_dir, steps), cwd=REPO, check=False).returncode
+    code = subprocess.run(run_command(config, run_dir, steps, extra), cwd=REPO,
+                          check=False).returncode
     if code != 0:
       print(f"error: {config}: experiments.run exited with code {code} (its output is "
             "above); rerun to continue from its last checkpoint", file=sys.stderr)
       sys.exit(code)
+    keep(config, run_root, out, flags_set[config])
     print(f"{head} done in {(time.perf_counter() - start) / 60:.1f} min", file=sys.stderr)
 
 
@@ -171,9 +233,10 @@ def slowest_rollout_s(record: dict[str, Any]) -> float:
   return float(max(per_replica)) if per_replica else float(record["timing/rollout_s"])
 
 
-def summarize(history: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def summarize(history: Sequence[dict[str, Any]], tail_rows: int) -> dict[str, Any]:
   """One config's table row. Times are medians over the steps after the first (step 1
-  compiles) when there are several; counts and idle seconds are sums over all steps."""
+  compiles) when there are several; counts and idle seconds are sums over all steps; tail
+  seconds are process 0's with <= tail_rows live rows (the SD threshold)."""
   steps = [r for r in history if r.get("step", 0) >= 1]
   if not steps:
     return {"steps_done": 0}
@@ -186,7 +249,8 @@ def summarize(history: Sequence[dict[str, Any]]) -> dict[str, Any]:
       "step_s": _median(_values(timed, "timing/step_s")),
       "rollout_s": _median([slowest_rollout_s(r) for r in timed]),
       "rollout_frac": _median([slowest_rollout_s(r) / r["timing/step_s"] for r in timed]),
-      "tail_s": _median(_values(timed, "rollout/tail_s")),
+      "tail_s": _median([t for r in timed
+                         if (t := ablation_checks.tail_seconds(r, tail_rows)) is not None]),
       "accept_len": _median([v for v in _values(steps, "spec/accept_len") if v > 0]),
       "accept_len_last": steps[-1].get("spec/accept_len"),
       "drafter_train_steps": int(sum(_values(steps, "drafter/train_steps"))),
@@ -234,7 +298,8 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
   lines.append("")
   lines.append("Seconds: medians over the steps after the first (step 1 compiles); rollout s "
                "is the slowest replica's, its share of the step's seconds in brackets; tail s "
-               "and idle seconds are process 0's. Accept len: median over the steps where SD "
+               "(seconds with at most the SD threshold's live rows) and idle seconds are "
+               "process 0's. Accept len: median over the steps where SD "
                "ran. Drafter steps and idle seconds: sums over the steps. Lengths: medians of "
                "the steps' p50 and p90, and the longest response.")
   return "\n".join(lines) + "\n"
@@ -319,17 +384,22 @@ def run_checks(histories: dict[str, Any], rows: Sequence[dict[str, Any]], tail_r
   order = ablation_checks.accept_order({r["config"]: r.get("accept_len") for r in rows})
   if order is not None:
     checks["accept_order"] = order
-  # The bound's SD speedup is the learned drafter's, so only the learned-only configs.
+  # The bound's SD speedup is the learned drafter's, so only the learned-only configs; they
+  # are judged against the faster baseline (median step), with that baseline's tail share.
   learned = [c for c in ("tlt_frozen", "tlt") if c in h]
-  if "baseline" not in h or not learned:
+  step_s = {r["config"]: r.get("step_s") for r in rows}
+  baselines = [c for c in BASELINES if step_s.get(c) is not None]
+  if not baselines or not learned:
     return checks
-  tail = checks["tail_share"] = ablation_checks.tail_share(h["baseline"], tail_rows)
+  best = checks["best_baseline"] = min(baselines, key=step_s.get)
+  checks["baseline_step_s"] = {c: step_s[c] for c in baselines}
+  tail = checks["tail_share"] = ablation_checks.tail_share(h[best], tail_rows)
   if sd_speedup is None:
     checks["speed_skipped"] = f"no {_SD_SPEEDUP_JSON.value} (benchmarks/rollout.py's JSON)"
   elif tail["share_median"] is None:
-    checks["speed_skipped"] = "no baseline step where process 0 was the slowest replica"
+    checks["speed_skipped"] = f"no {best} step where process 0 was the slowest replica"
   else:
-    checks["speed"] = {c: ablation_checks.speed(h["baseline"], h[c], tail["share_median"],
+    checks["speed"] = {c: ablation_checks.speed(h[best], h[c], tail["share_median"],
                                                 sd_speedup) for c in learned}
   return checks
 
@@ -368,12 +438,16 @@ def checks_markdown(checks: dict[str, Any]) -> str:
                  f"{' / '.join(f'{v:.2f}' for v in c['accept_len'])}: {verdict(c)}")
   if "tail_share" in checks:
     c = checks["tail_share"]
-    lines.append(f"- tail share f of a baseline step (<= the SD threshold's live rows): "
-                 f"{_num(c['share_median'], '.2f')} ({c['steps_used']} steps)")
+    others = [f"{b} {_num(step_s, '.1f')} s" for b, step_s in checks["baseline_step_s"].items()]
+    lines.append(f"- the faster baseline by median step: {checks['best_baseline']} "
+                 f"({', '.join(others)}); the tail share f of its steps (<= the SD "
+                 f"threshold's live rows): {_num(c['share_median'], '.2f')} "
+                 f"({c['steps_used']} steps)")
   if "speed_skipped" in checks:
     lines.append(f"- speed: not judged ({checks['speed_skipped']})")
   for config, c in checks.get("speed", {}).items():
-    lines.append(f"- step time of {config} over baseline's, median of per-step ratios: "
+    lines.append(f"- step time of {config} over {checks['best_baseline']}'s, median of "
+                 f"per-step ratios: "
                  f"{_num(c['ratio_paired_median'], '.2f')} (ratio of the medians "
                  f"{_num(c['ratio_of_medians'], '.2f')}) against the bound "
                  f"{c['bound_ratio']:.2f} = 1 - f + f / s, SD speedup at the tail's batch s "
@@ -381,17 +455,18 @@ def checks_markdown(checks: dict[str, Any]) -> str:
   return "\n".join(["## Checks", "", *lines, ""]) if lines else ""
 
 
-def write_table(configs: Sequence[str], run_root: str, steps: int, out: str,
-                sd: dict[str, Any], sd_speedup: float | None) -> dict[str, Any]:
-  """Reads every config's run dir; writes OUT.json, OUT.md and the plots; returns the JSON."""
+def write_table(configs: Sequence[str], steps: int, out: str, sd: dict[str, Any],
+                sd_speedup: float | None) -> dict[str, Any]:
+  """Reads every config's kept history; writes OUT.json, OUT.md and the plots; returns the
+  JSON."""
   from benchmarks.report import provenance
 
-  histories = {c: read_history(os.path.join(run_root, c)) for c in configs}
-  rows = [{"config": c, **summarize(h)} for c, h in histories.items()]
+  histories = {c: read_history(kept_path(out, c)) for c in configs}
+  rows = [{"config": c, **summarize(h, sd["sd_threshold"])} for c, h in histories.items()]
   series = {c: per_step(h) for c, h in histories.items()}
   checks = run_checks(histories, rows, sd["sd_threshold"], sd_speedup)
   result = {**provenance(), "command": " ".join(["python -m experiments.ablate", *sys.argv[1:]]),
-            "steps_requested": steps, "run_root": os.path.abspath(run_root),
+            "steps_requested": steps, "histories": f"{out}_runs",
             "flagfiles": {c: flagfile(c) for c in configs}, "rows": rows, "per_step": series,
             "sd": {**sd, "speedup_at_tail": sd_speedup,
                    "speedup_source": _SD_SPEEDUP_JSON.value}, "checks": checks}
@@ -406,12 +481,15 @@ def write_table(configs: Sequence[str], run_root: str, steps: int, out: str,
 def main(argv):
   del argv
   configs, steps, run_root = _CONFIGS.value, _STEPS.value, _RUN_ROOT.value
-  sd = check_inputs(configs, steps, run_root, _READ_ONLY.value)
+  inputs = check_inputs(configs, steps, run_root, _OUT.value, _READ_ONLY.value, _SET.value)
+  sd, flags_set = inputs["sd"], inputs["flags"]
   cli.check_output_file(f"{_OUT.value}.json", "--out")
   sd_speedup = tail_sd_speedup(_SD_SPEEDUP_JSON.value, sd)
   if not _READ_ONLY.value:
-    run_configs(configs, steps, run_root)
-  result = write_table(configs, run_root, steps, _OUT.value, sd, sd_speedup)
+    run_configs(configs, steps, run_root, _OUT.value, flags_set, _SET.value)
+  for config in configs:
+    keep(config, run_root, _OUT.value, flags_set[config])
+  result = write_table(configs, steps, _OUT.value, sd, sd_speedup)
   print(f"{markdown_table(result['rows'])}\n{checks_markdown(result['checks'])}\n"
         f"written: {_OUT.value}.json, {_OUT.value}.md, "
         f"{_OUT.value}_step_time.png, {_OUT.value}_accept_len.png", file=sys.stderr)

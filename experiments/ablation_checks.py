@@ -107,16 +107,24 @@ def losslessness(baseline: Records, tlt: Records) -> dict[str, Any]:
                     and val_p >= SIGNIFICANCE and None not in step0 and step0[0] == step0[1])}
 
 
+def tail_seconds(record: dict[str, Any], tail_rows: int) -> float | None:
+  """Seconds process 0's rollout spent with <= tail_rows live rows (where SD would run),
+  from its live-rows trace; None without one."""
+  trace = record.get("rollout/live_rows_trace")
+  if not trace:
+    return None
+  return trace[-1][0] - next(t for t, live in trace if live <= tail_rows)
+
+
 def tail_share(history: Records, tail_rows: int) -> dict[str, Any]:
-  """The share of a step the slowest replica spends with <= tail_rows live rows (where SD
-  would run): process 0's live-rows trace, over the steps where it was the slowest."""
+  """The share of a step the slowest replica spends with <= tail_rows live rows: process
+  0's trace (`tail_seconds`), over the steps where it was the slowest."""
   shares = []
   for r in _steps(history).values():
-    trace, per_replica = r.get("rollout/live_rows_trace"), r.get("rollout/replica_s", [0])
-    if not trace or per_replica[0] < max(per_replica):
+    tail, per_replica = tail_seconds(r, tail_rows), r.get("rollout/replica_s", [0])
+    if tail is None or per_replica[0] < max(per_replica):
       continue
-    start = next(t for t, live in trace if live <= tail_rows)
-    shares.append((trace[-1][0] - start) / r["timing/step_s"])
+    shares.append(tail / r["timing/step_s"])
   return {"steps_used": len(shares),
           "share_median": statistics.median(shares) if shares else None}
 

@@ -1,7 +1,7 @@
 """`python -m experiments.ablate`: the ablation flagfiles parse with experiments.run's flags
 and differ only where the ablation means them to; the table and plots from synthetic run
-dirs (small metrics.jsonl files, nothing trained); bad input is one line before any run.
-The real ablation runs are never started here."""
+dirs (small metrics.jsonl files, nothing trained) and from the histories kept beside it;
+bad input is one line before any run. The real ablation runs are never started here."""
 from __future__ import annotations
 
 import json
@@ -32,18 +32,24 @@ def test_every_config_parses_and_differs_only_as_the_ablation_means(parsed):
   sets = {c: parsed[ablate.flagfile(c)]["flags"] for c in ablate.CONFIGS}
   base = sets["baseline"]
   assert base["replicas"] == 2 and base["max_new_tokens"] >= 512 and "drafter" not in base
+  assert sets["baseline_one_process"] == {**base, "replicas": 1}
   for config, values in sets.items():   # one shared workload
-    assert {k: values[k] for k in base} == base, config
+    assert {k: values[k] for k in base if k != "replicas"} == {
+        k: v for k, v in base.items() if k != "replicas"}, config
   drafters = {c: (v.get("drafter"), v.get("drafter_train", "off"), v.get("hybrid", False))
               for c, v in sets.items()}
   shipped = "assets/drafter_smollm2"
-  assert drafters == {"baseline": (None, "off", False), "tlt_base": ("ngram", "off", False),
+  assert drafters == {"baseline": (None, "off", False),
+                      "baseline_one_process": (None, "off", False),
+                      "tlt_base": ("ngram", "off", False),
                       "tlt_frozen": (shipped, "off", False), "tlt": (shipped, "always", False),
                       "tlt_hybrid": (shipped, "always", True)}
   assert os.path.isfile(os.path.join(REPO, shipped, "drafter.safetensors"))
   # Every drafting config decodes the tail with the same SD settings and strategy pool.
   sd_keys = ("strategy", "sd_threshold", "sd_patience")
-  assert len({tuple(str(sets[c][k]) for k in sd_keys) for c in ablate.CONFIGS[1:]}) == 1
+  drafting = [c for c in ablate.CONFIGS if c not in ablate.BASELINES]
+  assert len({tuple(str(sets[c][k]) for k in sd_keys) for c in drafting}) == 1
+  assert all(sets[c]["replicas"] == 2 for c in drafting)
 
 
 def test_an_unknown_flag_in_a_flagfile_is_named(tmp_path):
@@ -61,7 +67,7 @@ def write_run(run_dir, records):
 
 def step(n, step_s, rollout, accept=None, idle=(0.0, 0.0), train_steps=0, **extra):
   record = {"step": n, "timing/step_s": step_s, "timing/rollout_s": rollout[0],
-            "rollout/replica_s": list(rollout), "rollout/tail_s": step_s / 10,
+            "rollout/replica_s": list(rollout),
             "reward/mean": 0.1 * n, "response_len/p50": 40.0 + n, "response_len/p90": 300.0,
             "response_len/max": 500 + n, "drafter/idle_device_s_used": idle[0],
             "drafter/idle_device_s_available": idle[1], "drafter/train_steps": train_steps}
@@ -83,7 +89,8 @@ def synthetic_runs(tmp_path):
                                 train_steps=3),
                            step(2, 40.0, (20.0, 32.0), accept=0.0),    # SD never switched on
                            step(3, 44.0, (35.0, 11.0), accept=3.0, idle=(8.0, 10.0),
-                                train_steps=4)])
+                                train_steps=4,   # 4 s with <= 2 live rows (the SD threshold)
+                                **{"rollout/live_rows_trace": [[2.0, 4], [10.0, 1], [14.0, 0]]})])
   return root
 
 
@@ -110,19 +117,22 @@ def test_table_from_synthetic_run_dirs(synthetic_runs, tmp_path):
   assert rows["baseline"]["response_len_max"] == 503
   tlt = rows["tlt"]
   assert tlt["steps_done"] == 3 and tlt["step_s"] == 42.0 and tlt["rollout_s"] == 33.5
-  assert tlt["tail_s"] == pytest.approx(4.2)
+  assert tlt["tail_s"] == 4.0
   assert tlt["accept_len"] == 2.5 and tlt["accept_len_last"] == 3.0   # steps with SD only
   assert tlt["drafter_train_steps"] == 7 and tlt["idle_used_frac"] == pytest.approx(13 / 20)
   assert tlt["reward_last"] == pytest.approx(0.3) and tlt["val_accuracy_last"] == 0.25
   assert result["per_step"]["tlt"]["accept_len"] == [2.0, None, 3.0]
   assert result["command"].startswith("python -m experiments.ablate --configs=baseline,tlt")
   table = open(out + ".md").read()
-  assert "| tlt | 3 | 42.0 | 33.5 (0.80) | 4.2 | 2.50 (3.00) | 7 | 13 / 20 |" in table, table
+  assert "| tlt | 3 | 42.0 | 33.5 (0.80) | 4.0 | 2.50 (3.00) | 7 | 13 / 20 |" in table, table
   for name in ("step_time", "accept_len"):
     assert os.path.getsize(f"{out}_{name}.png") > 1000
   # The checks the two configs allow (each check's own tests: tests/test_ablation_checks.py).
   checks = result["checks"]
-  assert set(checks) == {"idle_use", "losslessness", "tail_share", "speed"}
+  assert set(checks) == {"idle_use", "losslessness", "best_baseline", "baseline_step_s",
+                         "tail_share", "speed"}
+  assert checks["best_baseline"] == "baseline" and checks["baseline_step_s"] == {
+      "baseline": 55.0}
   assert result["sd"] == {"sd_threshold": 2, "temperature": 1.0, "speedup_at_tail": 0.8,
                           "drafter": "assets/drafter_smollm2",
                           "strategy": "3_1_4,4_1_5,6_1_7", "speedup_source": str(speedup)}
@@ -138,26 +148,34 @@ def test_finished_runs_are_not_run_again(synthetic_runs, tmp_path):
   proc = run_ablate("--configs=tlt", "--steps=3", f"--run_root={synthetic_runs}",
                     f"--out={out}")
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "ablate [1/1] tlt: already at step 3 of 3" in proc.stderr
-  assert ablate.run_command("tlt", "/r/tlt", 12)[1:] == [
+  assert f"ablate [1/1] tlt: already at step 3 of 3 ({out}_runs/tlt.jsonl)" in proc.stderr
+  assert ablate.run_command("tlt", "/r/tlt", 12, ["--temperature=0"])[1:] == [
       "-m", "experiments.run", "--flagfile=experiments/configs/ablation/tlt.flags",
-      "--run_dir=/r/tlt", "--steps=12", "--resume=auto"]
+      "--temperature=0", "--run_dir=/r/tlt", "--steps=12", "--resume=auto"]
+  # A variant (--set) keeps its flags with its history, and is judged by them.
+  proc = run_ablate("--configs=tlt", "--steps=3", f"--run_root={synthetic_runs}",
+                    f"--out={out}_t0", "--set=--temperature=0", "--read_only",
+                    f"--sd_speedup_json={tmp_path / 'none.json'}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert json.load(open(f"{out}_t0_runs/tlt.flags.json"))["temperature"] == 0.0
 
 
 @pytest.mark.parametrize("args, message", [
     (("--configs=baseline,tlt_fast",), "--configs: unknown config 'tlt_fast' (known: "
-     "baseline, tlt_base, tlt_frozen, tlt, tlt_hybrid)"),
+     "baseline, baseline_one_process, tlt_base, tlt_frozen, tlt, tlt_hybrid)"),
     (("--configs=tlt,tlt",), "--configs: a config is named twice"),
     (("--steps=0",), "--steps=0: must be >= 1"),
+    (("--configs=tlt", "--set=--temperature=zero"), "experiments/configs/ablation/tlt.flags "
+     "with --set: flag --temperature=zero: could not convert string to float: 'zero'"),
     (("--configs=baseline,tlt_hybrid", "--read_only"), "--read_only: no run of 'tlt_hybrid': "
-     "{root}/tlt_hybrid/metrics.jsonl does not exist"),
+     "neither {out}_runs/tlt_hybrid.jsonl nor {root}/tlt_hybrid/metrics.jsonl exists"),
 ])
 def test_bad_input_is_one_line_before_any_run(synthetic_runs, tmp_path, args, message):
   out = str(tmp_path / "ablation")
   proc = run_ablate(*args, f"--run_root={synthetic_runs}", f"--out={out}")
   assert proc.returncode == 2
   assert proc.stderr.strip().splitlines() == [
-      "error: " + message.format(root=synthetic_runs)], proc.stderr
+      "error: " + message.format(root=synthetic_runs, out=out)], proc.stderr
   assert not os.path.exists(out + ".json")
 
 
@@ -177,3 +195,46 @@ def test_the_speed_check_says_why_it_is_not_judged(synthetic_runs, tmp_path):
       f"error: --sd_speedup_json={other}: measured with drafter 'ngram', the ablation drafts "
       "with 'assets/drafter_smollm2'"], proc.stderr
   assert not os.path.exists(out + "2.json")
+
+
+def test_the_table_is_rebuilt_from_kept_histories_alone(synthetic_runs, tmp_path, parsed):
+  """Run dirs stay on the machine that made them; the kept histories make the same table."""
+  out = str(tmp_path / "ablation")
+  args = ("--configs=baseline,tlt", "--steps=3", "--read_only", f"--out={out}")
+  assert run_ablate(*args, f"--run_root={synthetic_runs}").returncode == 0
+  first = json.load(open(out + ".json"))
+  assert sorted(os.listdir(out + "_runs")) == ["baseline.flags.json", "baseline.jsonl",
+                                               "tlt.flags.json", "tlt.jsonl"]
+  kept_flags = json.load(open(out + "_runs/tlt.flags.json"))
+  assert kept_flags["drafter_train"] == "always" and kept_flags["replicas"] == 2
+  proc = run_ablate(*args, f"--run_root={tmp_path / 'elsewhere'}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  again = json.load(open(out + ".json"))
+  assert again["rows"] == first["rows"] and again["checks"] == first["checks"]
+  # A kept history made with other flags than its flagfile sets now is refused.
+  kept_flags["lr"] = 1.0
+  with open(out + "_runs/tlt.flags.json", "w") as f:
+    json.dump(kept_flags, f)
+  proc = run_ablate(*args, f"--run_root={synthetic_runs}")
+  assert proc.returncode == 2
+  assert proc.stderr.strip().splitlines() == [
+      f"error: {out}_runs/tlt.jsonl: run with --lr=1.0, experiments/configs/ablation/tlt.flags "
+      f"now sets {parsed[ablate.flagfile('tlt')]['flags']['lr']}; delete it and {out}_runs/tlt.flags.json to run 'tlt' again"]
+
+
+def test_speed_is_judged_against_the_faster_baseline(synthetic_runs, tmp_path):
+  one = {"rollout/live_rows_trace": [[1.0, 8], [9.0, 2], [11.0, 0]]}    # a tail of 2 s
+  write_run(synthetic_runs / "baseline_one_process",
+            [{"step": 0, "val/accuracy": 0.25, "val/prompts": 4},
+             step(1, 80.0, (50.0,)), step(2, 40.0, (30.0,), **one), step(3, 40.0, (20.0,), **one)])
+  out = str(tmp_path / "ablation")
+  proc = run_ablate("--configs=baseline,baseline_one_process,tlt", "--steps=3", "--read_only",
+                    f"--run_root={synthetic_runs}", f"--out={out}",
+                    f"--sd_speedup_json={tmp_path / 'none.json'}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  checks = json.load(open(out + ".json"))["checks"]
+  assert checks["best_baseline"] == "baseline_one_process"
+  assert checks["baseline_step_s"] == {"baseline": 55.0, "baseline_one_process": 40.0}
+  assert checks["tail_share"] == {"steps_used": 2, "share_median": pytest.approx(0.05)}
+  assert ("- the faster baseline by median step: baseline_one_process (baseline 55.0 s, "
+          "baseline_one_process 40.0 s)") in open(out + ".md").read()
