@@ -137,4 +137,5 @@ def test_tail_seconds_start_once_nine_tenths_of_the_rows_are_done():
   trace = [(1.0, 20), (2.0, 9), (3.5, 2), (4.0, 1), (9.0, 0)]
   assert tail_seconds(trace, 20) == 9.0 - 3.5     # 18 of 20 done at 3.5 s
   assert tail_seconds(trace, 10) == 9.0 - 4.0     # 9 of 10 done at 4 s
-  assert tail_seconds([(0.5, 1), (2.5, 0)], 1) == 0.0
+  assert tail_seconds(trace, 4) == 9.0 - 4.0      # a tenth of 4 rows rounds up to 1 row
+  assert tail_seconds([(0.5, 1), (2.5, 0)], 1) == 2.0

@@ -356,9 +356,10 @@ def distinct_prompts(tokens: np.ndarray, lengths: np.ndarray, buckets: BucketSpe
 
 
 def tail_seconds(trace: Sequence[tuple[float, int]], num_prompts: int) -> float:
-  """`rollout/tail_s`: from the first chunk boundary with 90% of the rows done to the
-  end of the rollout; trace: the (seconds, live rows) points of `rollout/live_rows`."""
-  tail_rows = num_prompts - math.ceil(0.9 * num_prompts)
+  """`rollout/tail_s`: from the first chunk boundary with 90% of the rows done (at least
+  all but one: under 10 rows, a tenth is less than a row) to the end of the rollout;
+  trace: the (seconds, live rows) points of `rollout/live_rows`."""
+  tail_rows = max(1, num_prompts - math.ceil(0.9 * num_prompts))
   started = next(t for t, live in trace if live <= tail_rows)
   return trace[-1][0] - started
 
