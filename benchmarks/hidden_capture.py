@@ -83,7 +83,7 @@ def main(argv):
 
   from tlt_jax.drafter.trainer import load_drafter
   from tlt_jax.models.loading import load_model
-  from tlt_jax.models.transformer import unstack_layers
+  from tlt_jax.rollout.weights import rollout_layout
   from tlt_jax.rollout.engine import generate
   from tlt_jax.rollout.precompile import precompile
   from tlt_jax.rollout.sampling import SamplingParams
@@ -93,7 +93,7 @@ def main(argv):
 
   asked = questions.load({"main": (questions.MAIN_TASKS, _ROWS.value, _SEED.value)})
   model = load_model(_MODEL.value, dtype=jnp.float32)
-  params = unstack_layers(model.params)   # the rollout's per-layer layout, made once
+  params = rollout_layout(model.params)   # the rollout's per-layer layout, made once
   drafter, vocab_ids = load_drafter(_DRAFTER.value, model.config)
   weights = DraftWeights(drafter, None if vocab_ids is None else jnp.asarray(vocab_ids))
   prompts = [model.tokenizer.chat_prompt(q) for q in asked["main"]]

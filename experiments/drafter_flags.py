@@ -12,7 +12,12 @@ TRAIN = flags.DEFINE_enum(
     "trains on every replica whose rows are done until the last replica finishes; "
     "'on_decay' only once the deployed drafter's accept length fell --drafter_decay_tolerance "
     "below its best.")
-LR = flags.DEFINE_float("drafter_lr", 3e-4, "Online drafter: peak learning rate.")
+LR = flags.DEFINE_float("drafter_lr", 1e-4, "Online drafter: peak learning rate "
+                        "(benchmarks/results/online_drafter_lr_*.json).")
+WARMUP = flags.DEFINE_integer("drafter_warmup_steps", 20, "Online drafter: drafter steps "
+                              "over which the learning rate ramps up to --drafter_lr (a "
+                              "full-rate first step knocks a warm drafter off).",
+                              lower_bound=0)
 MAX_STEPS = flags.DEFINE_integer("drafter_max_steps", 10_000, "Online drafter: steps per RL "
                                  "step, at most.", lower_bound=1)
 UNROLL = flags.DEFINE_integer("drafter_unroll", 2, "Online drafter: loss passes (training-time "
@@ -37,9 +42,10 @@ DECAY_TOLERANCE = flags.DEFINE_float("drafter_decay_tolerance", 0.1, "--drafter_
                                      "the relative drop in accept length that restarts "
                                      "training.")
 
-_NEEDS_TRAINING = ("drafter_lr", "drafter_max_steps", "drafter_unroll", "drafter_buffer_mib",
-                   "drafter_seq_len", "drafter_batch_rows", "drafter_previous_ratio",
-                   "drafter_heldout_fraction", "drafter_gate_margin", "drafter_decay_tolerance")
+_NEEDS_TRAINING = ("drafter_lr", "drafter_warmup_steps", "drafter_max_steps", "drafter_unroll",
+                   "drafter_buffer_mib", "drafter_seq_len", "drafter_batch_rows",
+                   "drafter_previous_ratio", "drafter_heldout_fraction", "drafter_gate_margin",
+                   "drafter_decay_tolerance")
 
 
 def spot_from_flags(*, learned: bool, greedy: bool, seed: int):
@@ -69,6 +75,7 @@ def spot_from_flags(*, learned: bool, greedy: bool, seed: int):
                         batch_rows=BATCH_ROWS.value, context=min(64, SEQ_LEN.value // 4),
                         previous_ratio=PREVIOUS_RATIO.value,
                         heldout_fraction=HELDOUT.value, seed=seed)
-  return SpotConfig(train=TRAIN.value, buffer=buffer, lr=LR.value, max_steps=MAX_STEPS.value,
+  return SpotConfig(train=TRAIN.value, buffer=buffer, lr=LR.value,
+                    warmup_steps=WARMUP.value, max_steps=MAX_STEPS.value,
                     unroll=UNROLL.value, greedy=greedy, gate_margin=GATE_MARGIN.value,
                     decay_tolerance=DECAY_TOLERANCE.value)

@@ -18,6 +18,7 @@ from tests.test_rl_run_sd_cli import drafter_dir  # noqa: F401 - a fixture
 ONLINE = ("--eval_every=0", "--num_val=0", "--sd_threshold=1", "--sd_patience=1000",
           "--replicas=2", "--drafter_train=always", "--drafter_seq_len=32",
           "--drafter_batch_rows=2", "--drafter_heldout_fraction=0.25", "--drafter_lr=1e-3",
+          "--drafter_warmup_steps=0",
           "--strategy=3_1_4", "--temperature=1.0")
 
 

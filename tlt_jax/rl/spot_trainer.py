@@ -55,6 +55,9 @@ class SpotConfig:
   buffer: BufferConfig = BufferConfig()
   lr: float = 3e-4
   lr_steps: int = 100_000          # the drafter's cosine schedule length, in drafter steps
+  # Adam's first steps move every weight by ~lr whatever the gradient's size, which knocks
+  # a warm drafter off its optimum: ramp the rate up over this many drafter steps.
+  warmup_steps: int = 0
   max_steps: int = 10_000          # drafter steps per RL step, at most
   unroll: int = 2                  # loss passes; also the chain depth the gate scores
   greedy: bool = False             # gate on top-1 agreement (greedy rollouts) or sampling
@@ -115,7 +118,7 @@ class SpotTrainer:
   def __init__(self, config: SpotConfig, model_config: ModelConfig, deployed: DraftWeights,
                collective: Collective = OneProcess()):
     self.config, self.model_config, self.collective = config, model_config, collective
-    self.optimizer = optim.make_optimizer(config.lr, config.lr_steps)
+    self.optimizer = optim.make_optimizer(config.lr, config.lr_steps, config.warmup_steps)
     self.deployed = deployed
     # train steps donate their state: the deployed drafter keeps arrays of its own.
     self.state: TrainState = init_train_state(_copy(deployed.params), self.optimizer)
