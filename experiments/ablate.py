@@ -379,6 +379,8 @@ def run_checks(histories: dict[str, Any], rows: Sequence[dict[str, Any]], tail_r
     checks["accept_gain"] = ablation_checks.accept_gain(h["tlt"], h["tlt_frozen"])
   if "tlt" in h:
     checks["idle_use"] = ablation_checks.idle_use(h["tlt"])
+    if (paired := ablation_checks.heldout_gain(h["tlt"])) is not None:
+      checks["heldout_gain"] = paired
   if {"baseline", "tlt"} <= h.keys():
     checks["losslessness"] = ablation_checks.losslessness(h["baseline"], h["tlt"])
   order = ablation_checks.accept_order({r["config"]: r.get("accept_len") for r in rows})
@@ -414,6 +416,13 @@ def checks_markdown(checks: dict[str, Any]) -> str:
                  f"{', '.join(f'{r:.2f}' for r in c['ratio_by_step'])}; median of the last "
                  f"{ablation_checks.LAST_STEPS} {_num(c['ratio_late_median'], '.2f')} "
                  f"(goal >= {c['goal']}): {verdict(c)}")
+  if "heldout_gain" in checks:
+    c = checks["heldout_gain"]
+    lines.append(f"- the same on the same tokens: tlt's deployed drafter over the shipped one, "
+                 f"the deploy gate's held-out accept-length estimate, on steps {c['steps']}: "
+                 f"{', '.join(f'{r:.2f}' for r in c['ratio_by_step'])}; median of the last "
+                 f"{ablation_checks.LAST_STEPS} {c['ratio_late_median']:.2f} (goal >= "
+                 f"{c['goal']}): {verdict(c)}")
   if "idle_use" in checks:
     c = checks["idle_use"]
     lines.append(f"- idle seconds used by drafter training: {c['used_s']:.0f} / "

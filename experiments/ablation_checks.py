@@ -2,7 +2,9 @@
 beside its table): each returns the figures it judged by and whether the goal holds.
 
 - adaptation: `tlt`'s accept length over `tlt_frozen`'s on the same steps (process 0's
-  replica), and the order `tlt` >= `tlt_frozen` >= `tlt_base`;
+  replica; under sampling the runs emit other tokens), the same on the same tokens (the
+  deploy gate's held-out estimate of `tlt`'s deployed drafter over the shipped one), and
+  the order `tlt` >= `tlt_frozen` >= `tlt_base`;
 - idle time: drafter seconds used over the idle seconds available, and the stop's latency
   against one drafter step (process 0's figures, from the steps it finished first);
 - losslessness: `baseline`'s and `tlt`'s rewards per step as two samples (Mann-Whitney U;
@@ -46,6 +48,21 @@ def accept_gain(online: Records, frozen: Records) -> dict[str, Any]:
   return {"steps": common, "ratio_by_step": ratios, "ratio_last": ratios[-1] if ratios else None,
           "ratio_late_median": late, "goal": ACCEPT_GAIN_GOAL,
           "holds": late is not None and late >= ACCEPT_GAIN_GOAL}
+
+
+def heldout_gain(online: Records) -> dict[str, Any] | None:
+  """The same question on the same tokens: per step, the deploy gate's held-out estimate
+  for the deployed drafter over the shipped one's (both scored on that step's held-out
+  windows), as accept lengths (1 + expected accepted drafts); judged as `accept_gain`.
+  None where the run logged no shipped score."""
+  keys = ("drafter/heldout_accept_deployed", "drafter/heldout_accept_shipped")
+  steps = {s: r for s, r in _steps(online).items() if all(k in r for k in keys)}
+  if not steps:
+    return None
+  ratios = [(1 + r[keys[0]]) / (1 + r[keys[1]]) for r in steps.values()]
+  late = statistics.median(ratios[-LAST_STEPS:])
+  return {"steps": list(steps), "ratio_by_step": ratios, "ratio_late_median": late,
+          "goal": ACCEPT_GAIN_GOAL, "holds": late >= ACCEPT_GAIN_GOAL}
 
 
 def accept_order(accept_len: dict[str, float]) -> dict[str, Any] | None:

@@ -20,6 +20,19 @@ def test_accept_gain_is_judged_on_the_last_steps_both_drafted():
   assert not checks.accept_gain([], frozen)["holds"]
 
 
+def test_heldout_gain_compares_deployed_and_shipped_on_the_same_windows():
+  scored = lambda s, d, sh: _step(s, **{"drafter/heldout_accept_deployed": d,
+                                        "drafter/heldout_accept_shipped": sh})
+  online = [_step(0), scored(1, 1.0, 1.0), _step(2), scored(3, 1.6, 1.0), scored(4, 1.4, 1.0),
+            scored(5, 1.5, 1.0)]
+  gain = checks.heldout_gain(online)
+  assert gain["steps"] == [1, 3, 4, 5]                       # step 2: the gate did not score
+  assert gain["ratio_by_step"] == pytest.approx([1.0, 1.3, 1.2, 1.25])
+  assert gain["ratio_late_median"] == pytest.approx(1.25) and gain["holds"]
+  assert not checks.heldout_gain(online[:2])["holds"]
+  assert checks.heldout_gain([_step(1)]) is None             # a run without the shipped score
+
+
 def test_accept_order():
   assert checks.accept_order({"tlt": 2.5, "tlt_frozen": 2.2, "tlt_base": 1.4, "baseline": None})[
       "holds"]

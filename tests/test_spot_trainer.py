@@ -66,12 +66,19 @@ def test_a_trained_candidate_is_deployed_and_a_tie_is_not(target):
   assert metrics["drafter/deployed"] == 1
   assert (metrics["drafter/heldout_accept_candidate"]
           > metrics["drafter/heldout_accept_deployed"] + 0.1)
+  # The shipped drafter is scored on the same windows; deployed is still the shipped one.
+  assert metrics["drafter/heldout_accept_shipped"] == metrics["drafter/heldout_accept_deployed"]
   jax.tree.map(np.testing.assert_array_equal, spot.deployed.params, spot.state.params)
   # The deployed drafter is a copy: training on donates the candidate, not it.
   more = iter([False] * 5 + [True])
   spot.train_while_idle(1, target, lambda: next(more))
   assert not all(np.array_equal(a, b) for a, b in zip(
       jax.tree.leaves(before), jax.tree.leaves(spot.deployed.params)))
+  # Once a trained drafter is deployed, the shipped one still scores as it did.
+  jax.tree.map(np.testing.assert_array_equal, spot.shipped, before)
+  later = spot.gate(target)
+  assert later["drafter/heldout_accept_shipped"] == metrics["drafter/heldout_accept_shipped"]
+  assert later["drafter/heldout_accept_deployed"] > later["drafter/heldout_accept_shipped"]
 
 
 def test_weighted_average_of_replicas():

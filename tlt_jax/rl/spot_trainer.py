@@ -17,7 +17,9 @@ Per replica and RL step:
    same bits.
 4. `gate`: deployed and candidate drafters are scored on the held-out windows of the
    latest rollout, summed over replicas (`drafter/gate.py`); the candidate replaces the
-   deployed drafter only if it scores higher. With `train="on_decay"` training waits
+   deployed drafter only if it scores higher. The drafter the run started from (the
+   shipped one) is scored on the same windows, so what online training gained over never
+   training is measured on the same tokens, not across runs that sampled others. With `train="on_decay"` training waits
    until the deployed drafter's measured accept length decays.
 
 A drafter step that raises (say the device ran out of memory) loses the state it was
@@ -120,6 +122,7 @@ class SpotTrainer:
     self.config, self.model_config, self.collective = config, model_config, collective
     self.optimizer = optim.make_optimizer(config.lr, config.lr_steps, config.warmup_steps)
     self.deployed = deployed
+    self.shipped = deployed.params   # never trained; `gate` scores it beside the others
     # train steps donate their state: the deployed drafter keeps arrays of its own.
     self.state: TrainState = init_train_state(_copy(deployed.params), self.optimizer)
     self._synced = _host_copy(self.state)   # the last candidate every replica agreed on
@@ -191,27 +194,29 @@ class SpotTrainer:
     return True
 
   def gate(self, target_params: Params) -> dict[str, Any]:
-    """Scores deployed and candidate on every replica's held-out windows of the latest
-    step; deploys the candidate if it wins. Returns the drafter/heldout_* metrics."""
+    """Scores deployed, candidate and shipped drafters on every replica's held-out windows
+    of the latest step; deploys the candidate if it beats the deployed one. Returns the
+    drafter/heldout_* metrics (each figure as the gate found it, before any deploy)."""
     began = time.perf_counter()
     windows = [(b.rows, b.hidden) for b in self.buffer.heldout()]
-    score = lambda params: gate_lib.heldout_levels(
+    drafters = {"deployed": self.deployed.params, "candidate": self.state.params,
+                "shipped": self.shipped}
+    levels = {name: gate_lib.heldout_levels(
         params, target_params, windows, self.deployed.vocab_ids, config=self.model_config,
-        greedy=self.config.greedy, depth=self.config.unroll)
-    (deployed, slots), (candidate, _) = score(self.deployed.params), score(self.state.params)
-    copies = self.collective.allgather({"deployed": deployed, "candidate": candidate,
-                                        "slots": np.asarray(slots)})
+        greedy=self.config.greedy, depth=self.config.unroll) for name, params in drafters.items()}
+    copies = self.collective.allgather({**{name: totals for name, (totals, _) in levels.items()},
+                                        "slots": np.asarray(levels["deployed"][1])})
     slots = float(sum(c["slots"] for c in copies))
     if slots == 0:
       return {"drafter/deployed": 0}
-    deployed, candidate = (gate_lib.accept_from_levels(sum(c[k] for c in copies), slots)
-                           for k in ("deployed", "candidate"))
-    deploys = gate_lib.DeployGate(self.config.gate_margin).deploys(deployed, candidate)
+    score = {name: gate_lib.accept_from_levels(sum(c[name] for c in copies), slots)
+             for name in drafters}
+    deploys = gate_lib.DeployGate(self.config.gate_margin).deploys(score["deployed"],
+                                                                   score["candidate"])
     if deploys:
       self.deployed = self.deployed.replace(params=_copy(self.state.params))
       self.watch.deployed_new()
-    return {"drafter/heldout_accept_deployed": deployed,
-            "drafter/heldout_accept_candidate": candidate,
+    return {**{f"drafter/heldout_accept_{name}": value for name, value in score.items()},
             "drafter/deployed": int(deploys), "timing/drafter_gate_s": time.perf_counter() - began}
 
   def checkpoint_state(self) -> dict[str, Any]:
