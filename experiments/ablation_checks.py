@@ -12,8 +12,9 @@ beside its table): each returns the figures it judged by and whether the goal ho
   validation accuracies (Fisher's exact test), and step 0's greedy validation, which
   lossless SD leaves equal. A p-value over 0.05 is no proof of equality, only the absence
   of a detected difference at this sample size;
-- speed: a drafting config's step time over `baseline`'s against the Amdahl bound from the
-  baseline's tail share and the SD speedup measured at the tail's batch.
+- speed: a drafting config's step time over the faster baseline's against the bound from
+  the two-process baseline's tail share, the SD speedup measured at the tail's batch and
+  (when one process is faster) what two processes cost against one.
 """
 from __future__ import annotations
 
@@ -146,21 +147,29 @@ def tail_share(history: Records, tail_rows: int) -> dict[str, Any]:
           "share_median": statistics.median(shares) if shares else None}
 
 
-def speed(baseline: Records, other: Records, tail: float, sd_speedup: float
-          ) -> dict[str, Any]:
-  """`other`'s step time over `baseline`'s against the Amdahl bound 1 - tail + tail /
-  sd_speedup, judged on the median of per-step ratios (each step draws the same prompts;
-  the ratio of the medians is reported beside it). Under sampling the configs draw other
-  responses, so a step's time also carries its lengths: pair at T=0 for a clean figure.
-  Over the steps after the first, as the table's times (step 1 compiles without
-  --precompile)."""
+def step_ratio(baseline: Records, other: Records) -> dict[str, Any]:
+  """`other`'s step time over `baseline`'s on their common steps after the first (step 1
+  compiles without --precompile; one step is kept if it is all there is): the median of
+  per-step ratios (each step draws the same prompts) and the ratio of the medians."""
   a, b = _steps(baseline), _steps(other)
   common = sorted(a.keys() & b.keys())
   common = common[1:] or common
   times = [[h[s]["timing/step_s"] for s in common] for h in (a, b)]
-  bound = 1 - tail + tail / sd_speedup
   ratio = statistics.median(times[1]) / statistics.median(times[0]) if common else None
   paired = statistics.median([y / x for x, y in zip(*times)]) if common else None
-  return {"steps": common, "tail_share": tail, "sd_speedup_at_tail": sd_speedup,
-          "bound_ratio": bound, "ratio_of_medians": ratio, "ratio_paired_median": paired,
+  return {"steps": common, "ratio_of_medians": ratio, "ratio_paired_median": paired}
+
+
+def speed(baseline: Records, other: Records, tail: float, sd_speedup: float,
+          structure: float = 1.0) -> dict[str, Any]:
+  """`other`'s step time over `baseline`'s (`step_ratio`) against the bound structure x
+  (1 - tail + tail / sd_speedup): Amdahl over the tail SD speeds up, times what the
+  drafting configs' process layout costs against `baseline`'s (1 when they share it).
+  Under sampling the configs draw other responses, so a step's time also carries its
+  lengths: pair at T=0 for a clean figure."""
+  ratios = step_ratio(baseline, other)
+  bound = structure * (1 - tail + tail / sd_speedup)
+  paired = ratios["ratio_paired_median"]
+  return {**ratios, "tail_share": tail, "sd_speedup_at_tail": sd_speedup,
+          "structure_ratio": structure, "bound_ratio": bound,
           "holds": paired is not None and paired <= SPEED_SLACK * bound}

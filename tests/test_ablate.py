@@ -228,13 +228,22 @@ def test_speed_is_judged_against_the_faster_baseline(synthetic_runs, tmp_path):
             [{"step": 0, "val/accuracy": 0.25, "val/prompts": 4},
              step(1, 80.0, (50.0,)), step(2, 40.0, (30.0,), **one), step(3, 40.0, (20.0,), **one)])
   out = str(tmp_path / "ablation")
+  speedup = tmp_path / "rollout.json"
+  speedup.write_text(json.dumps({"drafter": "assets/drafter_smollm2", "fixed": [
+      {"batch": 1, "temperature": 1.0, "strategy": "3_1_4", "speedup_paired_median": 0.8}]}))
   proc = run_ablate("--configs=baseline,baseline_one_process,tlt", "--steps=3", "--read_only",
                     f"--run_root={synthetic_runs}", f"--out={out}",
-                    f"--sd_speedup_json={tmp_path / 'none.json'}")
+                    f"--sd_speedup_json={speedup}")
   assert proc.returncode == 0, proc.stderr[-3000:]
   checks = json.load(open(out + ".json"))["checks"]
   assert checks["best_baseline"] == "baseline_one_process"
   assert checks["baseline_step_s"] == {"baseline": 55.0, "baseline_one_process": 40.0}
-  assert checks["tail_share"] == {"steps_used": 2, "share_median": pytest.approx(0.05)}
+  # The tail SD speeds up is the two-process one (baseline's); two processes cost 1.375x
+  # one (steps 2 and 3: 50 / 40 and 60 / 40, median), which the bound carries.
+  assert checks["tail_share"] == {"steps_used": 1, "share_median": pytest.approx(0.5)}
+  assert checks["structure"]["ratio_paired_median"] == pytest.approx(1.375)
+  assert checks["speed"]["tlt"]["bound_ratio"] == pytest.approx(1.375 * (0.5 + 0.5 / 0.8))
+  table = open(out + ".md").read()
   assert ("- the faster baseline by median step: baseline_one_process (baseline 55.0 s, "
-          "baseline_one_process 40.0 s)") in open(out + ".md").read()
+          "baseline_one_process 40.0 s)") in table
+  assert "- two processes against one, without SD (baseline's step over " in table

@@ -109,5 +109,8 @@ def test_speed_against_the_amdahl_bound():
   assert result["ratio_of_medians"] == pytest.approx(170 / 150)
   assert result["ratio_paired_median"] == pytest.approx((1.2 + 1.1) / 2) and result["holds"]
   assert not checks.speed(base, other, tail=0.5, sd_speedup=2.0)["holds"]   # bound 0.75
+  # Two processes costing 1.5x one: the bound carries it.
+  slower = checks.speed(base, other, tail=0.5, sd_speedup=2.0, structure=1.5)
+  assert slower["bound_ratio"] == pytest.approx(1.125) and slower["holds"]
   one = checks.speed(base[:1], other[:1], tail=0.5, sd_speedup=0.8)   # one step: kept
   assert one["steps"] == [1] and one["ratio_of_medians"] == pytest.approx(1.8)
