@@ -98,8 +98,7 @@ def parse_flagfiles(paths: Sequence[str], extra: Sequence[str] = ()
   unknown flag, a bad value, a missing included file)}. Paths relative to the repo root,
   as runs use them."""
   result = subprocess.run([sys.executable, "-c", _PARSE, json.dumps(list(extra)), *paths],
-                          cwd=REPO,
-                          capture_output=True, text=True, check=False)
+                          cwd=REPO, capture_output=True, text=True, check=False)
   if result.returncode != 0:
     raise RuntimeError(f"parsing the flagfiles failed:\n{result.stderr[-2000:]}")
   return json.loads(result.stdout)
