@@ -201,9 +201,13 @@ class SpotTrainer:
     windows = [(b.rows, b.hidden) for b in self.buffer.heldout()]
     drafters = {"deployed": self.deployed.params, "candidate": self.state.params,
                 "shipped": self.shipped}
-    levels = {name: gate_lib.heldout_levels(
-        params, target_params, windows, self.deployed.vocab_ids, config=self.model_config,
-        greedy=self.config.greedy, depth=self.config.unroll) for name, params in drafters.items()}
+    levels = {}
+    for name, params in drafters.items():
+      # Until the first deploy the shipped drafter is the deployed one: scored once.
+      same = "deployed" in levels and params is self.deployed.params
+      levels[name] = levels["deployed"] if same else gate_lib.heldout_levels(
+          params, target_params, windows, self.deployed.vocab_ids, config=self.model_config,
+          greedy=self.config.greedy, depth=self.config.unroll)
     copies = self.collective.allgather({**{name: totals for name, (totals, _) in levels.items()},
                                         "slots": np.asarray(levels["deployed"][1])})
     slots = float(sum(c["slots"] for c in copies))
