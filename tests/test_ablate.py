@@ -247,3 +247,19 @@ def test_speed_is_judged_against_the_faster_baseline(synthetic_runs, tmp_path):
   assert ("- the faster baseline by median step: baseline_one_process (baseline 55.0 s, "
           "baseline_one_process 40.0 s)") in table
   assert "- two processes against one, without SD (baseline's step over " in table
+
+
+def test_adaptation_is_judged_on_the_same_tokens_when_the_run_has_them(tmp_path):
+  scored = {"drafter/heldout_accept_deployed": 1.0, "drafter/heldout_accept_shipped": 1.0}
+  root = tmp_path / "runs"
+  write_run(root / "tlt_frozen", [step(n, 10.0, (5.0, 4.0), accept=2.0) for n in (1, 2, 3)])
+  write_run(root / "tlt", [step(n, 10.0, (5.0, 4.0), accept=3.0, **scored) for n in (1, 2, 3)])
+  out = str(tmp_path / "ablation")
+  proc = run_ablate("--configs=tlt_frozen,tlt", "--steps=3", "--read_only", f"--run_root={root}",
+                    f"--out={out}", f"--sd_speedup_json={tmp_path / 'none.json'}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  table = open(out + ".md").read()
+  # Other tokens in each run: 1.5x is context; on the same windows the drafters tie.
+  assert ("median of the last 3 1.50 (goal >= 1.2): reported, not judged: the runs sampled "
+          "other tokens; the same tokens below") in table, table
+  assert "median of the last 3 1.00 (goal >= 1.2): DOES NOT HOLD" in table
