@@ -411,6 +411,13 @@ def run_checks(histories: dict[str, Any], rows: Sequence[dict[str, Any]], tail_r
   return checks
 
 
+def _late_ratios(c: dict[str, Any]) -> str:
+  """An adaptation check's per-step ratios and the median it is judged on."""
+  return (f"{', '.join(f'{r:.2f}' for r in c['ratio_by_step'])}; median of the last "
+          f"{ablation_checks.LAST_STEPS} {_num(c['ratio_late_median'], '.2f')} (goal >= "
+          f"{c['goal']})")
+
+
 def checks_markdown(checks: dict[str, Any]) -> str:
   """One line per check, with its figures and whether its goal holds."""
   verdict = lambda c: "holds" if c["holds"] else "DOES NOT HOLD"
@@ -422,16 +429,12 @@ def checks_markdown(checks: dict[str, Any]) -> str:
     judged = ("reported, not judged: the runs sampled other tokens; the same tokens below"
               if "heldout_gain" in checks else verdict(c))
     lines.append(f"- accept length, tlt over tlt_frozen (process 0) on steps {c['steps']}: "
-                 f"{', '.join(f'{r:.2f}' for r in c['ratio_by_step'])}; median of the last "
-                 f"{ablation_checks.LAST_STEPS} {_num(c['ratio_late_median'], '.2f')} "
-                 f"(goal >= {c['goal']}): {judged}")
+                 f"{_late_ratios(c)}: {judged}")
   if "heldout_gain" in checks:
     c = checks["heldout_gain"]
     lines.append(f"- the same on the same tokens: tlt's deployed drafter over the shipped one, "
                  f"the deploy gate's held-out accept-length estimate, on steps {c['steps']}: "
-                 f"{', '.join(f'{r:.2f}' for r in c['ratio_by_step'])}; median of the last "
-                 f"{ablation_checks.LAST_STEPS} {c['ratio_late_median']:.2f} (goal >= "
-                 f"{c['goal']}): {verdict(c)}")
+                 f"{_late_ratios(c)}: {verdict(c)}")
   if "idle_use" in checks:
     c = checks["idle_use"]
     lines.append(f"- idle seconds used by drafter training: {c['used_s']:.0f} / "
