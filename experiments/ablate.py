@@ -195,10 +195,9 @@ def run_command(config: str, run_dir: str, steps: int, extra: Sequence[str] = ()
 def run_configs(configs: Sequence[str], steps: int, run_root: str, out: str,
                 flags_set: dict[str, dict[str, Any]], extra: Sequence[str] = ()) -> None:
   """Each config's run to `steps` steps, in order, its output passed through; each
-  finished run's history kept (`keep`)."""
+  finished run's history kept (`keep`; run dirs already there were kept before)."""
   for i, config in enumerate(configs, 1):
     run_dir = os.path.abspath(os.path.join(run_root, config))
-    keep(config, run_root, out, flags_set[config])
     done = steps_done(kept_path(out, config))
     head = f"ablate [{i}/{len(configs)}] {config}:"
     if done >= steps:
@@ -520,10 +519,10 @@ def main(argv):
   sd, flags_set = inputs["sd"], inputs["flags"]
   cli.check_output_file(f"{_OUT.value}.json", "--out")
   sd_speedup = tail_sd_speedup(_SD_SPEEDUP_JSON.value, sd)
+  for config in configs:     # run dirs newer than their kept histories
+    keep(config, run_root, _OUT.value, flags_set[config])
   if not _READ_ONLY.value:
     run_configs(configs, steps, run_root, _OUT.value, flags_set, _SET.value)
-  for config in configs:
-    keep(config, run_root, _OUT.value, flags_set[config])
   result = write_table(configs, steps, _OUT.value, sd, sd_speedup)
   print(f"{markdown_table(result['rows'])}\n{checks_markdown(result['checks'])}\n"
         f"written: {_OUT.value}.json, {_OUT.value}.md, "

@@ -19,8 +19,9 @@ Per replica and RL step:
    latest rollout, summed over replicas (`drafter/gate.py`); the candidate replaces the
    deployed drafter only if it scores higher. The drafter the run started from (the
    shipped one) is scored on the same windows, so what online training gained over never
-   training is measured on the same tokens, not across runs that sampled others. With `train="on_decay"` training waits
-   until the deployed drafter's measured accept length decays.
+   training is measured on the same tokens, not across runs that sampled others. With
+   `train="on_decay"` training waits until the deployed drafter's measured accept length
+   decays.
 
 A drafter step that raises (say the device ran out of memory) loses the state it was
 given (train steps donate it): the candidate falls back to the last synced one, kept on the
@@ -199,28 +200,26 @@ class SpotTrainer:
     drafter/heldout_* metrics (each figure as the gate found it, before any deploy)."""
     began = time.perf_counter()
     windows = [(b.rows, b.hidden) for b in self.buffer.heldout()]
-    drafters = {"deployed": self.deployed.params, "candidate": self.state.params,
-                "shipped": self.shipped}
-    levels = {}
-    for name, params in drafters.items():
-      # Until the first deploy the shipped drafter is the deployed one: scored once.
-      same = "deployed" in levels and params is self.deployed.params
-      levels[name] = levels["deployed"] if same else gate_lib.heldout_levels(
-          params, target_params, windows, self.deployed.vocab_ids, config=self.model_config,
-          greedy=self.config.greedy, depth=self.config.unroll)
+    score = lambda params: gate_lib.heldout_levels(
+        params, target_params, windows, self.deployed.vocab_ids, config=self.model_config,
+        greedy=self.config.greedy, depth=self.config.unroll)
+    levels = {"deployed": score(self.deployed.params), "candidate": score(self.state.params)}
+    # Until the first deploy the shipped drafter is the deployed one: scored once.
+    levels["shipped"] = (levels["deployed"] if self.shipped is self.deployed.params
+                         else score(self.shipped))
     copies = self.collective.allgather({**{name: totals for name, (totals, _) in levels.items()},
                                         "slots": np.asarray(levels["deployed"][1])})
     slots = float(sum(c["slots"] for c in copies))
     if slots == 0:
       return {"drafter/deployed": 0}
-    score = {name: gate_lib.accept_from_levels(sum(c[name] for c in copies), slots)
-             for name in drafters}
-    deploys = gate_lib.DeployGate(self.config.gate_margin).deploys(score["deployed"],
-                                                                   score["candidate"])
+    accept = {name: gate_lib.accept_from_levels(sum(c[name] for c in copies), slots)
+              for name in levels}
+    deploys = gate_lib.DeployGate(self.config.gate_margin).deploys(accept["deployed"],
+                                                                   accept["candidate"])
     if deploys:
       self.deployed = self.deployed.replace(params=_copy(self.state.params))
       self.watch.deployed_new()
-    return {**{f"drafter/heldout_accept_{name}": value for name, value in score.items()},
+    return {**{f"drafter/heldout_accept_{name}": value for name, value in accept.items()},
             "drafter/deployed": int(deploys), "timing/drafter_gate_s": time.perf_counter() - began}
 
   def checkpoint_state(self) -> dict[str, Any]:
