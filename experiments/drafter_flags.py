@@ -20,6 +20,10 @@ WARMUP = flags.DEFINE_integer("drafter_warmup_steps", 20, "Online drafter: draft
                               lower_bound=0)
 MAX_STEPS = flags.DEFINE_integer("drafter_max_steps", 10_000, "Online drafter: steps per RL "
                                  "step, at most.", lower_bound=1)
+MAX_EPOCHS = flags.DEFINE_float("drafter_max_epochs", 2.0, "Online drafter: passes over an "
+                                "RL step's fresh training windows (and the previous step's "
+                                "long ones), at most, per RL step: more only overfit a "
+                                "replica's few responses.")
 UNROLL = flags.DEFINE_integer("drafter_unroll", 2, "Online drafter: loss passes (training-time "
                               "test), and the chain depth the deploy gate scores.",
                               lower_bound=1)
@@ -42,7 +46,8 @@ DECAY_TOLERANCE = flags.DEFINE_float("drafter_decay_tolerance", 0.1, "--drafter_
                                      "the relative drop in accept length that restarts "
                                      "training.")
 
-_NEEDS_TRAINING = ("drafter_lr", "drafter_warmup_steps", "drafter_max_steps", "drafter_unroll",
+_NEEDS_TRAINING = ("drafter_lr", "drafter_warmup_steps", "drafter_max_steps", "drafter_max_epochs",
+                   "drafter_unroll",
                    "drafter_buffer_mib", "drafter_seq_len", "drafter_batch_rows",
                    "drafter_previous_ratio", "drafter_heldout_fraction", "drafter_gate_margin",
                    "drafter_decay_tolerance")
@@ -64,6 +69,7 @@ def spot_from_flags(*, learned: bool, greedy: bool, seed: int):
     raise UserInputError(f"--drafter_train={TRAIN.value} needs a learned drafter: "
                          "--drafter=DIR (with or without --hybrid)")
   for flag, ok, rule in (("drafter_lr", LR.value > 0, "> 0"),
+                         ("drafter_max_epochs", MAX_EPOCHS.value > 0, "> 0"),
                          ("drafter_previous_ratio", 0 <= PREVIOUS_RATIO.value <= 1, "in [0, 1]"),
                          ("drafter_heldout_fraction", 0 <= HELDOUT.value < 1, "in [0, 1)"),
                          ("drafter_gate_margin", GATE_MARGIN.value >= 0, ">= 0"),
@@ -77,5 +83,6 @@ def spot_from_flags(*, learned: bool, greedy: bool, seed: int):
                         heldout_fraction=HELDOUT.value, seed=seed)
   return SpotConfig(train=TRAIN.value, buffer=buffer, lr=LR.value,
                     warmup_steps=WARMUP.value, max_steps=MAX_STEPS.value,
+                    max_epochs=MAX_EPOCHS.value,
                     unroll=UNROLL.value, greedy=greedy, gate_margin=GATE_MARGIN.value,
                     decay_tolerance=DECAY_TOLERANCE.value)

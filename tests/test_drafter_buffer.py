@@ -189,6 +189,18 @@ def test_batches_mix_the_previous_steps_long_windows_at_the_ratio(ratio):
     assert share == ratio
 
 
+@pytest.mark.parametrize("ratio", [0.0, 0.5, 1.0])
+def test_trainable_slots_count_one_pass_over_what_batches_draw(ratio):
+  config = buffer_lib.BufferConfig(seq_len=64, batch_rows=64, context=8, previous_ratio=ratio,
+                                   long_quantile=0.5, heldout_fraction=0.25)
+  buffer = buffer_lib.OnlineBuffer(config)
+  _fill(buffer, 4, _fake(8, seed=1, lengths=(3, 90)))
+  _fill(buffer, 5, _fake(8, seed=2, lengths=(3, 30), first_token=50))
+  batch = buffer.batch(5)             # 64 rows: every drawable window fits in one batch
+  assert buffer.trainable_slots(5) == batch.current_slots + batch.previous_slots > 0
+  assert buffer.trainable_slots(7) == 0
+
+
 def test_heldout_windows_are_never_drawn_for_training():
   buffer = buffer_lib.OnlineBuffer(BUFFER)
   _fill(buffer, 0, _fake(20, seed=1, first_token=3))
@@ -365,6 +377,19 @@ def test_stop_is_checked_between_steps_and_ends_within_one_step(target_params):
   assert 0 < report.steps < 100_000 and report.stop_seen >= set_at[0]
   # At most the step in flight when the stop came ends after it.
   assert sum(end > set_at[0] for _, end in report.spans) <= 1
+
+
+def test_steps_stop_once_they_drew_the_slot_cap(target_params):
+  buffer = buffer_lib.OnlineBuffer(BUFFER)
+  _fill(buffer, 0, _rollout(target_params, 4, 10))
+  epoch = buffer.trainable_slots(0)
+  state, report = online.train_steps(_state(), target_params, buffer, 0, threading.Event(),
+                                     100, max_slots=2 * epoch, config=CONFIG,
+                                     optimizer=OPTIMIZER)
+  drawn = report.previous_slots + report.current_slots
+  # The step that crossed the cap is the last one: fewer slots would have let one more run.
+  assert 2 * epoch <= drawn < 2 * epoch + BUFFER.batch_rows * BUFFER.seq_len
+  assert 1 < report.steps < 100 and report.stop_seen is None
 
 
 def test_online_steps_on_repetitive_data_lower_the_heldout_loss(target_params):

@@ -49,7 +49,7 @@ def _trainer(**overrides):
 
 
 def test_a_trained_candidate_is_deployed_and_a_tie_is_not(target):
-  spot = _trainer()
+  spot = _trainer(max_epochs=1e6)                          # from scratch: 40 steps, uncapped
   spot.observe(1, _rollout(target, 1, 16))
   spot.warm_up(target)                                     # compiles; changes nothing
   before = jax.tree.map(np.asarray, spot.deployed.params)
@@ -79,6 +79,17 @@ def test_a_trained_candidate_is_deployed_and_a_tie_is_not(target):
   later = spot.gate(target)
   assert later["drafter/heldout_accept_shipped"] == metrics["drafter/heldout_accept_shipped"]
   assert later["drafter/heldout_accept_deployed"] > later["drafter/heldout_accept_shipped"]
+
+
+def test_training_stops_at_the_epoch_cap_before_the_rollout_ends(target):
+  spot = _trainer(max_epochs=3.0)
+  spot.observe(1, _rollout(target, 1, 16))
+  epoch = spot.buffer.trainable_slots(1)
+  report = spot.train_while_idle(1, target, lambda: False)   # the rollout never ends
+  assert report.stop_seen is None and report.steps < spot.config.max_steps
+  assert 3 * epoch <= report.current_slots + report.previous_slots < 4 * epoch + 4 * 32
+  with pytest.raises(UserInputError, match="--drafter_max_epochs=0"):
+    _trainer(max_epochs=0)
 
 
 def test_weighted_average_of_replicas():

@@ -214,8 +214,7 @@ class OnlineBuffer:
   def batch(self, step: int) -> Batch | None:
     """A training batch for RL step `step` by the sampling rule; None with nothing to draw."""
     with self._lock:
-      current = self._windows(step, heldout=False)
-      previous = self._long_windows(step - 1)
+      current, previous = self._pools(step)
       if not current and not previous:
         return None
       rng = np.random.default_rng([self.config.seed, self._draws])
@@ -223,8 +222,6 @@ class OnlineBuffer:
     pools = {False: collections.deque(current[i] for i in rng.permutation(len(current))),
              True: collections.deque(previous[i] for i in rng.permutation(len(previous)))}
     ratio = self.config.previous_ratio
-    if current and previous and ratio in (0.0, 1.0):   # a pool weighted 0 is never drawn
-      pools[ratio == 0.0].clear()
     fit = FirstFit(self.config.seq_len, self.config.batch_rows)
     windows, slots = [], {False: 0, True: 0}
     while pools[False] or pools[True]:
@@ -235,6 +232,19 @@ class OnlineBuffer:
         windows.append(window)
         slots[use_previous] += _slots(window)
     return self._pack(windows, fit.rows, slots[False], slots[True])
+
+  def trainable_slots(self, step: int) -> int:
+    """Trained slots `batch(step)` can draw from: one epoch of RL step `step`'s data."""
+    with self._lock:
+      return sum(_slots(w) for pool in self._pools(step) for w in pool)
+
+  def _pools(self, step: int) -> tuple[list[_Window], list[_Window]]:
+    """(current, previous) windows `batch(step)` draws from; a pool weighted 0 is empty."""
+    current, previous = self._windows(step, heldout=False), self._long_windows(step - 1)
+    ratio = self.config.previous_ratio
+    if current and previous and ratio in (0.0, 1.0):
+      return (current, []) if ratio == 0.0 else ([], previous)
+    return current, previous
 
   def heldout(self, step: int | None = None) -> list[Batch]:
     """The held-out windows of `step` (default: the latest) in batches of batch_rows rows."""

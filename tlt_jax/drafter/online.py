@@ -3,8 +3,9 @@ keeping only finite ones.
 
 `train_steps` is what a replica runs once its own rows are done: drafter steps on batches
 the online buffer draws for the RL step in flight, until `stop` is set (a threading.Event a
-watcher thread sets when the rollout ends, or any callable returning True) or `max_steps`
-have run. `stop` is read between steps only and every step is waited on, so a stop costs at
+watcher thread sets when the rollout ends, or any callable returning True), `max_steps`
+have run, or the batches have drawn `max_slots` trained slots (an epoch cap: a replica
+holding few fresh responses would otherwise fit those few). `stop` is read between steps only and every step is waited on, so a stop costs at
 most the one step in flight: the preemption latency is bounded by one drafter step.
 
 A step whose loss or gradient norm is NaN/Inf is discarded inside the same program: the
@@ -75,17 +76,18 @@ def guarded_step(state: trainer.TrainState, target_params: transformer.Params,
 
 def train_steps(state: trainer.TrainState, target_params: transformer.Params,
                 buffer: OnlineBuffer, step: int, stop: Stop, max_steps: int, *,
-                config: ModelConfig, optimizer: optax.GradientTransformation,
+                max_slots: int | None = None, config: ModelConfig, optimizer: optax.GradientTransformation,
                 vocab_ids: jax.Array | None = None, ce_weight: float = CE_WEIGHT,
                 unroll: int = 1) -> tuple[trainer.TrainState, StepsReport]:
-  """Drafter steps on `buffer.batch(step)` until `stop`, `max_steps` or an empty buffer.
+  """Drafter steps on `buffer.batch(step)` until `stop`, `max_steps`, `max_slots` trained
+  slots drawn, or an empty buffer.
 
   `state` is donated (as `trainer.train_step` does); use the returned one."""
   began = time.perf_counter()
   spans, losses, discarded, slots = [], [], 0, np.zeros(2, np.int64)
   stop_seen = None
   is_stopped = stop.is_set if isinstance(stop, threading.Event) else stop
-  while len(spans) < max_steps:
+  while len(spans) < max_steps and (max_slots is None or slots.sum() < max_slots):
     if is_stopped():
       stop_seen = time.perf_counter()
       break

@@ -30,6 +30,7 @@ host, and the round counts as untrained. The rollout never depends on the candid
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
@@ -62,6 +63,9 @@ class SpotConfig:
   # a warm drafter off its optimum: ramp the rate up over this many drafter steps.
   warmup_steps: int = 0
   max_steps: int = 10_000          # drafter steps per RL step, at most
+  # Passes over the RL step's trainable slots, at most: a replica whose buffer holds a few
+  # responses fits them within a few steps, and more steps only overfit them.
+  max_epochs: float = 2.0
   unroll: int = 2                  # loss passes; also the chain depth the gate scores
   greedy: bool = False             # gate on top-1 agreement (greedy rollouts) or sampling
   gate_margin: float = 0.0
@@ -73,6 +77,8 @@ class SpotConfig:
                            f"off, {', '.join(TRAIN_MODES)}")
     if self.max_steps < 1 or self.unroll < 1:
       raise UserInputError("--drafter_max_steps and --drafter_unroll: must be >= 1")
+    if self.max_epochs <= 0:
+      raise UserInputError(f"--drafter_max_epochs={self.max_epochs}: must be > 0")
 
 
 class Collective(Protocol):
@@ -169,12 +175,14 @@ class SpotTrainer:
 
   def train_while_idle(self, step: int, target_params: Params,
                        stop: Callable[[], bool]) -> online.StepsReport:
-    """Drafter steps until `stop`; a step that raises discards the round (module doc)."""
+    """Drafter steps until `stop` or the epoch cap; a step that raises discards the round
+    (module doc)."""
     began = time.perf_counter()
+    max_slots = math.ceil(self.config.max_epochs * self.buffer.trainable_slots(step))
     try:
       self.state, report = online.train_steps(
           self.state, target_params, self.buffer, step, stop, self.config.max_steps,
-          config=self.model_config, optimizer=self.optimizer,
+          max_slots=max_slots, config=self.model_config, optimizer=self.optimizer,
           vocab_ids=self.deployed.vocab_ids, unroll=self.config.unroll)
     except Exception as e:  # noqa: BLE001 - any failure of a step; the run goes on
       self.state = jax.tree.map(jnp.asarray, self._synced)
