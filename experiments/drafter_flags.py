@@ -36,6 +36,10 @@ BATCH_ROWS = flags.DEFINE_integer("drafter_batch_rows", 8, "Online drafter: pack
 PREVIOUS_RATIO = flags.DEFINE_float(
     "drafter_previous_ratio", 0.5, "Online drafter: share of each batch's trained slots drawn "
     "from the previous RL step's long responses (the one-step offset).")
+REPLAY_STEPS = flags.DEFINE_integer(
+    "drafter_replay_steps", 1, "Online drafter: earlier RL steps whose long responses batches "
+    "draw from beside the current step's (1: the previous step only, the one-step offset).",
+    lower_bound=1)
 HELDOUT = flags.DEFINE_float("drafter_heldout_fraction", 0.05, "Online drafter: share of each "
                              "step's responses the deploy gate scores on and training never "
                              "sees.")
@@ -46,11 +50,11 @@ DECAY_TOLERANCE = flags.DEFINE_float("drafter_decay_tolerance", 0.1, "--drafter_
                                      "the relative drop in accept length that restarts "
                                      "training.")
 
-_NEEDS_TRAINING = ("drafter_lr", "drafter_warmup_steps", "drafter_max_steps", "drafter_max_epochs",
-                   "drafter_unroll",
-                   "drafter_buffer_mib", "drafter_seq_len", "drafter_batch_rows",
-                   "drafter_previous_ratio", "drafter_heldout_fraction", "drafter_gate_margin",
-                   "drafter_decay_tolerance")
+_NEEDS_TRAINING = ("drafter_lr", "drafter_warmup_steps", "drafter_max_steps",
+                   "drafter_max_epochs", "drafter_unroll", "drafter_buffer_mib",
+                   "drafter_seq_len", "drafter_batch_rows", "drafter_previous_ratio",
+                   "drafter_replay_steps",
+                   "drafter_heldout_fraction", "drafter_gate_margin", "drafter_decay_tolerance")
 
 
 def spot_from_flags(*, learned: bool, greedy: bool, seed: int):
@@ -79,7 +83,7 @@ def spot_from_flags(*, learned: bool, greedy: bool, seed: int):
       raise UserInputError(f"--{flag}={flags.FLAGS[flag].value}: must be {rule}")
   buffer = BufferConfig(max_bytes=BUFFER_MIB.value << 20, seq_len=SEQ_LEN.value,
                         batch_rows=BATCH_ROWS.value, context=min(64, SEQ_LEN.value // 4),
-                        previous_ratio=PREVIOUS_RATIO.value,
+                        previous_ratio=PREVIOUS_RATIO.value, replay_steps=REPLAY_STEPS.value,
                         heldout_fraction=HELDOUT.value, seed=seed)
   return SpotConfig(train=TRAIN.value, buffer=buffer, lr=LR.value,
                     warmup_steps=WARMUP.value, max_steps=MAX_STEPS.value,

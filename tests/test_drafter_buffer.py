@@ -201,6 +201,22 @@ def test_trainable_slots_count_one_pass_over_what_batches_draw(ratio):
   assert buffer.trainable_slots(7) == 0
 
 
+def test_replay_draws_the_long_windows_of_several_earlier_steps():
+  config = buffer_lib.BufferConfig(seq_len=32, batch_rows=64, context=8, previous_ratio=0.5,
+                                   long_quantile=0.5, heldout_fraction=0.0, replay_steps=2)
+  buffer = buffer_lib.OnlineBuffer(config)
+  for step in range(4):                  # step s's samples repeat token 10 * (s + 1) + i
+    sequences = _fake(4, seed=step, lengths=(3, 40))
+    for i, (p, r, h) in enumerate(sequences):
+      buffer.add(step, [10 * (step + 1) + i] * len(p), [10 * (step + 1) + i] * len(r), h)
+  assert buffer.stats()["expired_sequences"] == 4      # step 0: more than 2 steps before 3
+  tokens = set()
+  for _ in range(10):
+    batch = buffer.batch(3)
+    tokens |= set(batch.rows.tokens[batch.rows.loss_mask > 0].tolist())
+  assert {t // 10 for t in tokens} == {2, 3, 4}        # steps 1 and 2 replayed, and 3
+
+
 def test_heldout_windows_are_never_drawn_for_training():
   buffer = buffer_lib.OnlineBuffer(BUFFER)
   _fill(buffer, 0, _fake(20, seed=1, first_token=3))

@@ -15,10 +15,11 @@ when fewer). Windows are views of their sequence: overlapping windows store noth
 and the prompt before the first window is not stored.
 
 Sampling rule of `batch(step)`. Two pools: the current step's training windows (the early
-finishers of the rollout in flight) and the previous step's long ones (windows of the
-sequences whose response length is at least the `long_quantile` quantile of that step's):
-the one-step offset, so the drafter, which serves the long tail, does not learn from short
-answers only. Each pool is shuffled by an rng seeded with (seed, batches drawn so far).
+finishers of the rollout in flight) and the previous steps' long ones (windows of the
+sequences whose response length is at least the `long_quantile` quantile of their step's),
+from the `replay_steps` steps before `step`: the one-step offset (replay_steps=1), so the
+drafter, which serves the long tail, does not learn from short answers only; more steps
+give a replica that holds few responses a step more to learn from. Each pool is shuffled by an rng seeded with (seed, batches drawn so far).
 Windows are then drawn one at a time, from the previous pool while its share of the trained
 slots placed so far is below `previous_ratio` and from the current pool otherwise, and
 placed first fit into `batch_rows` rows of `seq_len` tokens; a window that fits nowhere is
@@ -36,8 +37,8 @@ A response whose hidden states hold a NaN or Inf is not stored (counted in `stat
 would spoil every batch that drew it.
 
 Bound: after each add, while the bytes held (tokens + hidden states) exceed `max_bytes`,
-the oldest step's oldest sequence is evicted. A new step expires every step before the
-previous one, which `batch` can no longer draw. Both are counted in `stats()`.
+the oldest step's oldest sequence is evicted. A new step expires every step more than
+`replay_steps` before it, which `batch` can no longer draw. Both are counted in `stats()`.
 
 Everything is deterministic given the seed and the calls made; `state_dict` /
 `load_state_dict` (and `save_state` / `load_state` for files) restore it exactly.
@@ -68,8 +69,9 @@ class BufferConfig:
   seq_len: int = 512            # tokens per window and per packed row
   batch_rows: int = 8           # packed rows per batch
   context: int = 64             # tokens a window keeps before its first trained slot
-  previous_ratio: float = 0.5   # share of trained slots drawn from the previous step
+  previous_ratio: float = 0.5   # share of trained slots drawn from the previous steps
   long_quantile: float = 0.5    # previous-step sequences at least this long (quantile) are drawn
+  replay_steps: int = 1         # previous steps drawn from (and kept)
   heldout_fraction: float = 0.05
   seed: int = 0
 
@@ -79,6 +81,7 @@ class BufferConfig:
               ("batch_rows", self.batch_rows >= 1, ">= 1"),
               ("context", 0 <= self.context <= self.seq_len - 2, "in [0, seq_len - 2]"),
               ("previous_ratio", 0.0 <= self.previous_ratio <= 1.0, "in [0, 1]"),
+              ("replay_steps", self.replay_steps >= 1, ">= 1"),
               ("long_quantile", 0.0 <= self.long_quantile <= 1.0, "in [0, 1]"),
               ("heldout_fraction", 0.0 <= self.heldout_fraction < 1.0, "in [0, 1)"))
     for name, ok, rule in checks:
@@ -91,7 +94,7 @@ class Batch:
   rows: PackedRows          # [batch_rows, seq_len]
   hidden: np.ndarray        # [batch_rows, seq_len, E]: h at each token, 0 on padding
   current_slots: int        # trained slots drawn from the current step's windows
-  previous_slots: int       # ... and from the previous step's
+  previous_slots: int       # ... and from the previous steps'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +159,7 @@ class OnlineBuffer:
     bounds = window_bounds(n, first, self.config.seq_len, self.config.context)
     with self._lock:
       self._check_hidden(hidden)
-      if self._steps and step < max(self._steps) - 1:
+      if self._steps and step < max(self._steps) - self.config.replay_steps:
         self._counts["expired_sequences"] += 1
         return
       index = self._added.get(step, 0)
@@ -177,7 +180,7 @@ class OnlineBuffer:
     if step not in self._steps:
       self._steps[step] = []
       self._steps = dict(sorted(self._steps.items()))
-      self._expire_before(max(self._steps) - 1)
+      self._expire_before(max(self._steps) - self.config.replay_steps)
     self._steps[step].append(sequence)
     self._bytes += sequence.nbytes
     self._evict_to(self.config.max_bytes)
@@ -240,7 +243,9 @@ class OnlineBuffer:
 
   def _pools(self, step: int) -> tuple[list[_Window], list[_Window]]:
     """(current, previous) windows `batch(step)` draws from; a pool weighted 0 is empty."""
-    current, previous = self._windows(step, heldout=False), self._long_windows(step - 1)
+    current = self._windows(step, heldout=False)
+    previous = [w for back in range(self.config.replay_steps, 0, -1)
+                for w in self._long_windows(step - back)]
     ratio = self.config.previous_ratio
     if current and previous and ratio in (0.0, 1.0):
       return (current, []) if ratio == 0.0 else ([], previous)
