@@ -57,6 +57,15 @@ def test_the_gate_deploys_a_trained_drafter_and_not_a_tie():
     assert not gate.DeployGate(margin=after / before).deploys(before, after)
 
 
+def test_the_gate_deploys_the_best_of_candidate_deployed_and_shipped():
+  choose = gate.DeployGate().choose
+  assert choose(deployed=0.8, candidate=0.9, shipped=0.85) == "candidate"
+  assert choose(deployed=0.8, candidate=0.84, shipped=0.85) == "shipped"
+  assert choose(deployed=0.8, candidate=0.85, shipped=0.85) == "shipped"   # ties stay put
+  assert choose(deployed=0.85, candidate=0.85, shipped=0.8) is None
+  assert gate.DeployGate(margin=0.1).choose(0.8, 0.87, 0.85) is None
+
+
 def test_heldout_without_response_slots_is_an_error():
   target = transformer.init_params(CONFIG, jax.random.key(0))
   rows = _windows(3, 2)

@@ -81,6 +81,24 @@ def test_a_trained_candidate_is_deployed_and_a_tie_is_not(target):
   assert later["drafter/heldout_accept_deployed"] > later["drafter/heldout_accept_shipped"]
 
 
+def test_the_gate_takes_back_a_deployed_drafter_the_shipped_one_beats(target):
+  trained = _trainer(max_epochs=1e6)
+  trained.observe(1, _rollout(target, 1, 16))
+  trained.train_while_idle(1, target, lambda: False)      # 10k steps cap: stop on slots
+  shipped = trained.state.params                          # a good drafter to ship
+  spot = spot_trainer.SpotTrainer(trained.config, CONFIG, DraftWeights(shipped))
+  spot.observe(1, _rollout(target, 1, 16))
+  worse = drafter.init_drafter_params(CONFIG, jax.random.key(5))
+  spot.deployed = spot.deployed.replace(params=worse)     # an earlier, unlucky deploy
+  spot.state = spot.state.replace(params=jax.tree.map(jnp.copy, worse))
+  metrics = spot.gate(target)
+  assert (metrics["drafter/deployed"], metrics["drafter/reverted"]) == (0, 1)
+  assert metrics["drafter/heldout_accept_shipped"] > metrics["drafter/heldout_accept_deployed"]
+  assert spot.deployed.params is spot.shipped
+  again = spot.gate(target)                               # shipped is deployed: it stays
+  assert (again["drafter/deployed"], again["drafter/reverted"]) == (0, 0)
+
+
 def test_training_stops_at_the_epoch_cap_before_the_rollout_ends(target):
   spot = _trainer(max_epochs=3.0)
   spot.observe(1, _rollout(target, 1, 16))

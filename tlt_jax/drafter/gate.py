@@ -80,6 +80,14 @@ class DeployGate:
   def deploys(self, deployed: float, candidate: float) -> bool:
     return candidate > deployed * (1.0 + self.margin)
 
+  def choose(self, deployed: float, candidate: float, shipped: float) -> str | None:
+    """"candidate" where it beats both the deployed and the shipped drafter; else "shipped"
+    where that beats the deployed one (an earlier candidate that won on its step's windows
+    and loses on later ones is taken back); else None: the deployed drafter stays."""
+    if self.deploys(max(deployed, shipped), candidate):
+      return "candidate"
+    return "shipped" if self.deploys(deployed, shipped) else None
+
 
 @dataclasses.dataclass
 class DecayWatch:

@@ -16,10 +16,12 @@ Per replica and RL step:
    every process from the gathered copies in process order, so every replica holds the
    same bits.
 4. `gate`: deployed and candidate drafters are scored on the held-out windows of the
-   latest rollout, summed over replicas (`drafter/gate.py`); the candidate replaces the
-   deployed drafter only if it scores higher. The drafter the run started from (the
-   shipped one) is scored on the same windows, so what online training gained over never
-   training is measured on the same tokens, not across runs that sampled others. With
+   latest rollout, summed over replicas (`drafter/gate.py`), and so is the drafter the run
+   started from (the shipped one), so what online training gained over never training is
+   measured on the same tokens, not across runs that sampled others. The candidate
+   replaces the deployed drafter only if it beats both; else the shipped drafter comes
+   back if it beats the deployed one (a candidate that won on one step's few held-out
+   windows can lose on the next). With
    `train="on_decay"` training waits until the deployed drafter's measured accept length
    decays.
 
@@ -222,13 +224,16 @@ class SpotTrainer:
       return {"drafter/deployed": 0}
     accept = {name: gate_lib.accept_from_levels(sum(c[name] for c in copies), slots)
               for name in levels}
-    deploys = gate_lib.DeployGate(self.config.gate_margin).deploys(accept["deployed"],
-                                                                   accept["candidate"])
-    if deploys:
-      self.deployed = self.deployed.replace(params=_copy(self.state.params))
+    choice = gate_lib.DeployGate(self.config.gate_margin).choose(
+        accept["deployed"], accept["candidate"], accept["shipped"])
+    if choice is not None:
+      params = _copy(self.state.params) if choice == "candidate" else self.shipped
+      self.deployed = self.deployed.replace(params=params)
       self.watch.deployed_new()
     return {**{f"drafter/heldout_accept_{name}": value for name, value in accept.items()},
-            "drafter/deployed": int(deploys), "timing/drafter_gate_s": time.perf_counter() - began}
+            "drafter/deployed": int(choice == "candidate"),
+            "drafter/reverted": int(choice == "shipped"),
+            "timing/drafter_gate_s": time.perf_counter() - began}
 
   def checkpoint_state(self) -> dict[str, Any]:
     """What `DrafterCheckpoints` saves beside the buffer: candidate train state and the
