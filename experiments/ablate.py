@@ -436,7 +436,7 @@ def checks_markdown(checks: dict[str, Any]) -> str:
                  f"{_late_ratios(c)}: {verdict(c)}")
   if "idle_use" in checks:
     c = checks["idle_use"]
-    lines.append(f"- idle seconds used by drafter training: {c['used_s']:.0f} / "
+    lines.append(f"- idle seconds used by drafter training and gate scoring: {c['used_s']:.0f} / "
                  f"{c['available_s']:.0f} = {_num(c['used_frac'], '.2f')} (goal >= 0.8; "
                  f"process 0, steps {c['steps']}); stop latency p99 "
                  f"{_num(c['preempt_latency_p99_s'], '.2f')} s against a drafter step's "

@@ -90,12 +90,12 @@ def test_online_drafter_flags_are_checked_before_loading(tiny_hf_dirs, drafter_d
 
 def test_greedy_rollouts_are_the_same_with_and_without_the_online_drafter(
     tiny_hf_dirs, drafter_dir, tmp_path, compile_cache):  # noqa: F811 - the fixture
-  """T=0, two replicas, two steps: SD from the first decode step with the drafter replica 0
-  trains while replica 1 decodes (step 2 drafts with what the gate deployed after step 1)
-  against no SD at all. Greedy rows of a group are equal, so advantages are 0 and the
+  """T=0, two replicas, three steps: SD from the first decode step with the drafter replica 0
+  trains while replica 1 decodes (the gate judges step 1's candidate on step 2's held-out
+  windows, and step 3 drafts with it) against no SD at all. Greedy rows of a group are equal, so advantages are 0 and the
   update moves the policy by the KL and weight-decay terms of the rollout's tokens: the
   same rollouts give the same rewards, update metrics and final policy, bit for bit."""
-  common = ("--steps=2", "--replicas=2", "--temperature=0", "--eval_every=0", "--num_val=0",
+  common = ("--steps=3", "--replicas=2", "--temperature=0", "--eval_every=0", "--num_val=0",
             "--checkpoint_every=2")
   runs = {}
   for name, extra in (("plain", ()), ("online", (f"--drafter={drafter_dir}", *ONLINE,
@@ -105,13 +105,13 @@ def test_greedy_rollouts_are_the_same_with_and_without_the_online_drafter(
     proc = run_cli(run_dir, tiny_hf_dirs["qwen2"], *common, *extra,
                    env_extra={"TLT_JAX_STRAGGLER": "1:5.0"}, cache=compile_cache)
     runs[name] = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    assert [r["step"] for r in runs[name]] == [1, 2], proc.stderr[-3000:]
+    assert [r["step"] for r in runs[name]] == [1, 2, 3], proc.stderr[-3000:]
   plain, online = runs["plain"], runs["online"]
-  assert all(r["spec/verify_steps"] > 0 for r in online)            # SD drafted both steps
+  assert all(r["spec/verify_steps"] > 0 for r in online)            # SD drafted every step
   # Process 0's metrics: it trained in a step it finished first (replica 1 is held back),
   # and the gate deployed what was trained, so a later rollout drafted with new weights.
   assert any(r.get("drafter/train_steps", 0) > 0 for r in online), online
-  assert online[0].get("drafter/deployed") == 1, online[0]
+  assert online[1].get("drafter/deployed") == 1, online[1]
   for a, b in zip(plain, online):
     compared = [k for k in a if k.startswith(("actor/", "reward/", "response_len/", "data/"))
                 and k != "actor/ratio_mean"]   # it carries the rollout log-probs' rounding

@@ -48,37 +48,58 @@ def _trainer(**overrides):
   return spot_trainer.SpotTrainer(config, CONFIG, deployed)
 
 
+def _gate(spot, step, target):
+  """The step end of a replica that scored while idle (one process: its scores alone)."""
+  assert spot.score(step, target, lambda: False)
+  return spot.gate()
+
+
 def test_a_trained_candidate_is_deployed_and_a_tie_is_not(target):
   spot = _trainer(max_epochs=1e6)                          # from scratch: 40 steps, uncapped
   spot.observe(1, _rollout(target, 1, 16))
   spot.warm_up(target)                                     # compiles; changes nothing
   before = jax.tree.map(np.asarray, spot.deployed.params)
+  tie = _gate(spot, 1, target)
+  assert tie["drafter/deployed"] == tie["drafter/reverted"] == 0
+  assert (tie["drafter/heldout_accept_candidate"] == tie["drafter/heldout_accept_deployed"]
+          == tie["drafter/heldout_accept_shipped"])
   assert not spot.sync(0)                                  # nobody trained: nothing changes
-  tie = spot.gate(target)
-  assert tie["drafter/deployed"] == 0
-  assert tie["drafter/heldout_accept_candidate"] == tie["drafter/heldout_accept_deployed"]
 
   calls = []
   report = spot.train_while_idle(1, target, lambda: len(calls.append(0) or calls) > 40)
   assert report.steps == 40 and report.discarded == 0 and report.stop_seen is not None
   assert spot.sync(report.steps)                           # one process: its own average
-  metrics = spot.gate(target)
+  # The candidate is judged on the next step's held-out windows, scored before that step's
+  # training, and deployed at its end (the same task: the rollout's seed is the same).
+  spot.observe(2, _rollout(target, 1, 16))
+  metrics = _gate(spot, 2, target)
   assert metrics["drafter/deployed"] == 1
   assert (metrics["drafter/heldout_accept_candidate"]
           > metrics["drafter/heldout_accept_deployed"] + 0.1)
-  # The shipped drafter is scored on the same windows; deployed is still the shipped one.
+  # The shipped drafter is scored on the same windows; deployed was still the shipped one.
   assert metrics["drafter/heldout_accept_shipped"] == metrics["drafter/heldout_accept_deployed"]
   jax.tree.map(np.testing.assert_array_equal, spot.deployed.params, spot.state.params)
   # The deployed drafter is a copy: training on donates the candidate, not it.
   more = iter([False] * 5 + [True])
-  spot.train_while_idle(1, target, lambda: next(more))
+  spot.train_while_idle(2, target, lambda: next(more))
   assert not all(np.array_equal(a, b) for a, b in zip(
       jax.tree.leaves(before), jax.tree.leaves(spot.deployed.params)))
-  # Once a trained drafter is deployed, the shipped one still scores as it did.
+  # Once a trained drafter is deployed, the shipped one is scored apart and scores as it
+  # did; the candidate, which no sync has changed since its deploy, is the deployed one.
   jax.tree.map(np.testing.assert_array_equal, spot.shipped, before)
-  later = spot.gate(target)
+  later = _gate(spot, 2, target)
   assert later["drafter/heldout_accept_shipped"] == metrics["drafter/heldout_accept_shipped"]
-  assert later["drafter/heldout_accept_deployed"] > later["drafter/heldout_accept_shipped"]
+  assert (later["drafter/heldout_accept_deployed"] == later["drafter/heldout_accept_candidate"]
+          == metrics["drafter/heldout_accept_candidate"])
+  assert later["drafter/deployed"] == later["drafter/reverted"] == 0
+
+
+def test_a_stopped_score_keeps_nothing_and_the_gate_decides_nothing(target):
+  spot = _trainer()
+  spot.observe(1, _rollout(target, 1, 16))
+  assert not spot.score(1, target, lambda: True)           # the rollout ended first
+  assert not spot.score(7, target, lambda: False)          # no held-out windows that step
+  assert spot.gate() == {"drafter/deployed": 0, "drafter/reverted": 0}
 
 
 def test_the_gate_takes_back_a_deployed_drafter_the_shipped_one_beats(target):
@@ -88,15 +109,18 @@ def test_the_gate_takes_back_a_deployed_drafter_the_shipped_one_beats(target):
   shipped = trained.state.params                          # a good drafter to ship
   spot = spot_trainer.SpotTrainer(trained.config, CONFIG, DraftWeights(shipped))
   spot.observe(1, _rollout(target, 1, 16))
+  # An earlier, unlucky deploy: a worse drafter synced (round 1) and deployed.
   worse = drafter.init_drafter_params(CONFIG, jax.random.key(5))
-  spot.deployed = spot.deployed.replace(params=worse)     # an earlier, unlucky deploy
-  spot.state = spot.state.replace(params=jax.tree.map(jnp.copy, worse))
-  metrics = spot.gate(target)
+  spot.deployed = spot.deployed.replace(params=worse)
+  spot._synced = spot._synced.replace(params=jax.tree.map(np.asarray, worse))
+  spot._candidate_round = spot._deployed_round = 1
+  metrics = _gate(spot, 1, target)
   assert (metrics["drafter/deployed"], metrics["drafter/reverted"]) == (0, 1)
   assert metrics["drafter/heldout_accept_shipped"] > metrics["drafter/heldout_accept_deployed"]
   assert spot.deployed.params is spot.shipped
-  again = spot.gate(target)                               # shipped is deployed: it stays
+  again = _gate(spot, 1, target)                          # shipped is deployed: it stays
   assert (again["drafter/deployed"], again["drafter/reverted"]) == (0, 0)
+  assert again["drafter/heldout_accept_candidate"] == metrics["drafter/heldout_accept_deployed"]
 
 
 def test_training_stops_at_the_epoch_cap_before_the_rollout_ends(target):
@@ -171,7 +195,8 @@ def test_idle_drafter_checkpoint_resumes_drafter_optimizer_buffer_and_watch(targ
   saved.spot.observe(1, _rollout(target, 1, 16))
   saved.spot.train_while_idle(1, target, iter([False] * 4 + [True]).__next__)
   saved.spot.sync(4)
-  saved.spot.gate(target)
+  saved.spot.observe(2, _rollout(target, 2, 16))
+  _gate(saved.spot, 2, target)
   saved.spot.wants_training(2.5)
   saved.accept_len = 2.5
   saved.save(1)

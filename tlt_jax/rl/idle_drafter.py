@@ -3,11 +3,12 @@ replicas' control plane (`distributed/control.py`).
 
 `while_idle` runs on every replica right after its own rollout (and rewards): the
 responses and their hidden states go into the replica's buffer; the replica counts itself
-finished (BUSY -> IDLE); unless it was the last, it trains the drafter (TRAINING) until the
-last replica's increment publishes rollout-done, which a watcher thread turns into the
-event the trainer reads between drafter steps. `at_step_end` runs on every replica after
-the rollouts are gathered: the replicas' drafters are averaged and the deploy gate decides
-whether the rollout's drafter changes. Each rollout round (a step, or a step's extra
+finished (BUSY -> IDLE); unless it was the last, it scores the drafters for the deploy gate
+on its held-out windows, then trains the drafter (TRAINING), until the last replica's
+increment publishes rollout-done, which a watcher thread turns into the event read between
+drafter calls. `at_step_end` runs on every replica after the rollouts are gathered: the
+deploy gate decides from the scores whether the rollout's drafter changes, and the
+replicas' drafters are averaged into the next candidate. Each rollout round (a step, or a step's extra
 DAPO draw) has its own control keys.
 
 `save` / `restore` keep what resuming needs beside the run's checkpoint: each replica writes
@@ -43,6 +44,12 @@ class AllProcesses:
     return [{k: v[i] for k, v in stacked.items()} for i in range(collectives.process_count())]
 
 
+def _inside(spans: list[tuple[float, float]], done_at: float) -> float:
+  """Seconds of `spans` before `done_at`: the drafter call in flight at the stop runs past
+  the idle window (that overrun is the preempt latency, not idle time used)."""
+  return float(sum(max(0.0, min(end, done_at) - start) for start, end in spans))
+
+
 class IdleDrafter:
   """One replica's online drafter and its place in the control plane."""
 
@@ -58,7 +65,8 @@ class IdleDrafter:
 
   def while_idle(self, step: int, draw: int, rollouts: GroupRollouts,
                  target_params: Params) -> dict[str, Any]:
-    """Buffer this replica's rollout, then train until every replica's rollout is done."""
+    """Buffer this replica's rollout, then score and train until every replica's rollout is
+    done."""
     round_id = step * ROUNDS_PER_STEP + draw
     self.rounds.append(round_id)
     time.sleep(self.extra_tail_s)
@@ -69,10 +77,15 @@ class IdleDrafter:
       return {"drafter/idle_device_s_available": 0.0, "drafter/idle_device_s_used": 0.0}
     watch = self.control.watch_rollout_done(round_id)
     try:
+      scoring = time.perf_counter()
+      self.spot.score(step, target_params, watch.event.is_set)
+      scored = (scoring, time.perf_counter())
       if not self.spot.wants_training(self.accept_len):
         watch.event.wait()
-        return {"drafter/idle_device_s_available": time.perf_counter() - finished,
-                "drafter/idle_device_s_used": 0.0}
+        ended = time.perf_counter()
+        return {"drafter/idle_device_s_available": ended - finished,
+                "drafter/idle_device_s_used": _inside([scored], ended),
+                "drafter/score_s": scored[1] - scored[0]}
       self.control.set_state(round_id, ReplicaState.TRAINING)
       report = self.spot.train_while_idle(step, target_params, watch.event.is_set)
       if report.stop_seen is None:       # ran out of steps or data before the end
@@ -91,10 +104,8 @@ class IdleDrafter:
             "drafter/failed_rounds": int(report.error is not None),
             "drafter/loss": report.mean_loss,
             "drafter/idle_device_s_available": done_at - finished,
-            # Only seconds inside the idle window count: the step in flight at the stop
-            # runs past it (that overrun is the preempt latency, not idle time used).
-            "drafter/idle_device_s_used": float(sum(max(0.0, min(e, done_at) - s)
-                                                    for s, e in report.spans)),
+            "drafter/idle_device_s_used": _inside([scored, *report.spans], done_at),
+            "drafter/score_s": scored[1] - scored[0],
             "drafter/preempt_latency_s": max(0.0, time.perf_counter() - done_at),
             "drafter/train_spans": [(s - finished, e - finished) for s, e in report.spans]}
 
@@ -104,8 +115,8 @@ class IdleDrafter:
     accept_len: the step's measured accept length (the same on every replica)."""
     self.accept_len = accept_len
     metrics: dict[str, Any] = {"drafter/buffer_bytes": self.spot.buffer.stats()["bytes"]}
-    if self.spot.sync(self.steps_trained):   # a collective: every replica is past its rounds
-      metrics.update(self.spot.gate(target_params))
+    metrics.update(self.spot.gate())   # collectives: every replica is past its rounds
+    self.spot.sync(self.steps_trained)
     metrics["drafter/replicas_identical"] = self.replicas_identical()
     for round_id in self.rounds:
       self.control.clear(round_id)

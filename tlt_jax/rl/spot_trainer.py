@@ -5,25 +5,33 @@ when it beats the deployed one.
 Per replica and RL step:
 1. `observe`: the replica's own responses, with the hidden states its rollout computed
    anyway, go into its online buffer (`drafter/buffer.py`: one-step offset, held-out split).
-2. `train_while_idle`: once its rows are done, the replica trains the drafter from its
-   buffer until the control plane says the last replica has finished (`stop`, read between
-   drafter steps only, so the rollout's end waits at most one drafter step).
-3. `sync`: one collective leaves the same candidate on every replica: the replicas'
+2. `score`: once its rows are done, a replica that is not the last to finish scores the
+   drafters the gate decides between on its held-out windows of this step (below).
+3. `train_while_idle`: then it trains the drafter from its buffer until the control plane
+   says the last replica has finished (`stop`, read between drafter steps only, so the
+   rollout's end waits at most one drafter step).
+4. `gate`, at the step end: the scores are summed over replicas (a collective) and decide
+   (`drafter/gate.py`). What is scored is the candidate of the last sync, the deployed
+   drafter (which this step's rollout used) and the drafter the run started from (the
+   shipped one), so what online training gained over never training is measured on the
+   same tokens, not across runs that sampled others. The candidate replaces the deployed
+   drafter only if it beats both; else the shipped drafter comes back if it beats the
+   deployed one (a candidate that won on one step's few held-out windows can lose on the
+   next). Scoring on the idle replicas keeps the gate off the rollout's critical path; the
+   price is a step of lag: a candidate trained in step t is judged on the held-out windows
+   of steps t and t + 1 (no candidate ever trains on held-out windows; two steps' make up
+   for the last replica's, which are not scored), deployed for step t + 2. A drafter equal to another scored one (the candidate
+   no sync has changed since it was deployed; the shipped drafter while it is deployed) is
+   not scored again.
+5. `sync`: one collective leaves the same candidate on every replica: the replicas'
    drafters averaged, weighted by the steps each trained. Every replica starts a step from
    the same drafter, so this is one round of local SGD; a replica that did not train counts
    zero, and where none trained nothing changes. Optimizer moments average alike; integer
    leaves (step counts) come from the replica that trained most. The average is formed on
    every process from the gathered copies in process order, so every replica holds the
    same bits.
-4. `gate`: deployed and candidate drafters are scored on the held-out windows of the
-   latest rollout, summed over replicas (`drafter/gate.py`), and so is the drafter the run
-   started from (the shipped one), so what online training gained over never training is
-   measured on the same tokens, not across runs that sampled others. The candidate
-   replaces the deployed drafter only if it beats both; else the shipped drafter comes
-   back if it beats the deployed one (a candidate that won on one step's few held-out
-   windows can lose on the next). With
-   `train="on_decay"` training waits until the deployed drafter's measured accept length
-   decays.
+With `train="on_decay"` training waits until the deployed drafter's measured accept length
+decays.
 
 A drafter step that raises (say the device ran out of memory) loses the state it was
 given (train steps donate it): the candidate falls back to the last synced one, kept on the
@@ -135,6 +143,10 @@ class SpotTrainer:
     # train steps donate their state: the deployed drafter keeps arrays of its own.
     self.state: TrainState = init_train_state(_copy(deployed.params), self.optimizer)
     self._synced = _host_copy(self.state)   # the last candidate every replica agreed on
+    # Which sync made the candidate and the deployed drafter (0: the shipped drafter), so
+    # that a drafter equal to another is scored once; -1: unknown (after a restore).
+    self._candidate_round, self._deployed_round = 0, 0
+    self._scores: dict[str, tuple[np.ndarray, float]] = {}   # this step's, for `gate`
     self.buffer = OnlineBuffer(config.buffer)
     self.watch = gate_lib.DecayWatch(config.decay_tolerance)
 
@@ -155,9 +167,11 @@ class SpotTrainer:
                                      self.deployed.vocab_ids, config=self.model_config,
                                      optimizer=self.optimizer, ce_weight=CE_WEIGHT,
                                      unroll=self.config.unroll)
-    gate_lib.heldout_levels(self.deployed.params, target_params, [(rows, hidden)],
-                            self.deployed.vocab_ids, config=self.model_config,
-                            greedy=self.config.greedy, depth=self.config.unroll)
+    # The gate scores the loaded drafter and host copies of synced ones.
+    for params in (self.deployed.params, jax.tree.map(jnp.asarray, self._synced.params)):
+      gate_lib.heldout_levels(params, target_params, [(rows, hidden)],
+                              self.deployed.vocab_ids, config=self.model_config,
+                              greedy=self.config.greedy, depth=self.config.unroll)
 
   def observe(self, step: int, sequences: Iterable[tuple[Sequence[int], Sequence[int], Any]]
               ) -> None:
@@ -202,33 +216,59 @@ class SpotTrainer:
       return False
     self._synced = _host_copy(jax.tree.unflatten(treedef, averaged))
     self.state = jax.tree.map(jnp.asarray, self._synced)
+    self._candidate_round += 1
     return True
 
-  def gate(self, target_params: Params) -> dict[str, Any]:
-    """Scores deployed, candidate and shipped drafters on every replica's held-out windows
-    of the latest step; deploys the candidate if it beats the deployed one. Returns the
-    drafter/heldout_* metrics (each figure as the gate found it, before any deploy)."""
+  def score(self, step: int, target_params: Params, stop: Callable[[], bool]) -> bool:
+    """Scores the deployed drafter, the last synced candidate and the shipped drafter on
+    this replica's held-out windows of `step` and the step before, for `gate` (module
+    doc), checking `stop` between drafters; False (nothing kept) where it was stopped or
+    has no windows."""
+    self._scores = {}
+    windows = [(b.rows, b.hidden) for s in (step - 1, step) for b in self.buffer.heldout(s)]
+    if not windows:
+      return False
+    same = {"candidate": self._candidate_round == self._deployed_round,
+            "shipped": self._deployed_round == 0}
+    drafters = {"deployed": lambda: self.deployed.params,
+                "candidate": lambda: jax.tree.map(jnp.asarray, self._synced.params),
+                "shipped": lambda: self.shipped}
+    scores = {}
+    for name, params in drafters.items():
+      if stop():
+        return False
+      scores[name] = scores["deployed"] if same.get(name) else gate_lib.heldout_levels(
+          params(), target_params, windows, self.deployed.vocab_ids, config=self.model_config,
+          greedy=self.config.greedy, depth=self.config.unroll)
+    self._scores = scores
+    return True
+
+  def gate(self) -> dict[str, Any]:
+    """Every replica's scores of this step summed (a collective: every replica calls it,
+    scored or not); deploys by them and returns the drafter/heldout_* metrics, each
+    figure as the gate found it, before any deploy. Call before `sync`: what was scored
+    is the candidate of the last one."""
     began = time.perf_counter()
-    windows = [(b.rows, b.hidden) for b in self.buffer.heldout()]
-    score = lambda params: gate_lib.heldout_levels(
-        params, target_params, windows, self.deployed.vocab_ids, config=self.model_config,
-        greedy=self.config.greedy, depth=self.config.unroll)
-    levels = {"deployed": score(self.deployed.params), "candidate": score(self.state.params)}
-    # Until the first deploy the shipped drafter is the deployed one: scored once.
-    levels["shipped"] = (levels["deployed"] if self.shipped is self.deployed.params
-                         else score(self.shipped))
-    copies = self.collective.allgather({**{name: totals for name, (totals, _) in levels.items()},
-                                        "slots": np.asarray(levels["deployed"][1])})
+    names, depth = ("deployed", "candidate", "shipped"), self.config.unroll
+    mine = {name: self._scores.get(name, (np.zeros(depth), 0.0))[0] for name in names}
+    slots = self._scores.get("deployed", (None, 0.0))[1]
+    copies = self.collective.allgather({**mine, "slots": np.asarray(slots, np.float64)})
+    self._scores = {}
     slots = float(sum(c["slots"] for c in copies))
     if slots == 0:
-      return {"drafter/deployed": 0}
+      return {"drafter/deployed": 0, "drafter/reverted": 0}
     accept = {name: gate_lib.accept_from_levels(sum(c[name] for c in copies), slots)
-              for name in levels}
+              for name in names}
     choice = gate_lib.DeployGate(self.config.gate_margin).choose(
         accept["deployed"], accept["candidate"], accept["shipped"])
+    if choice == "candidate":
+      self.deployed = self.deployed.replace(
+          params=jax.tree.map(jnp.asarray, self._synced.params))
+      self._deployed_round = self._candidate_round
+    elif choice == "shipped":
+      self.deployed = self.deployed.replace(params=self.shipped)
+      self._deployed_round = 0
     if choice is not None:
-      params = _copy(self.state.params) if choice == "candidate" else self.shipped
-      self.deployed = self.deployed.replace(params=params)
       self.watch.deployed_new()
     return {**{f"drafter/heldout_accept_{name}": value for name, value in accept.items()},
             "drafter/deployed": int(choice == "candidate"),
@@ -246,6 +286,8 @@ class SpotTrainer:
     self._synced = _host_copy(self.state)
     self.deployed = self.deployed.replace(params=saved["deployed"])
     self.watch.load_state_dict(host_state["watch"])
+    self._candidate_round, self._deployed_round = host_state.get("rounds", (1, -1))
 
   def host_state(self) -> dict[str, Any]:
-    return {"watch": self.watch.state_dict()}
+    return {"watch": self.watch.state_dict(),
+            "rounds": [self._candidate_round, self._deployed_round]}
