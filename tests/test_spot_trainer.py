@@ -98,6 +98,10 @@ def test_a_stopped_score_keeps_nothing_and_the_gate_decides_nothing(target):
   spot = _trainer()
   spot.observe(1, _rollout(target, 1, 16))
   assert not spot.score(1, target, lambda: True)           # the rollout ended first
+  spot.observe(2, _rollout(target, 2, 16))                 # two steps' windows: two batches
+  checks = []
+  assert not spot.score(2, target, lambda: len(checks.append(0) or checks) > 1)
+  assert len(checks) == 2                                  # stopped before the second batch
   assert not spot.score(7, target, lambda: False)          # no held-out windows that step
   assert spot.gate() == {"drafter/deployed": 0, "drafter/reverted": 0}
 

@@ -17,7 +17,7 @@ decides.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -42,11 +42,15 @@ def expected_accept_length(rates: Sequence[float]) -> float:
 
 def heldout_levels(params: DrafterParams, target_params: Params,
                    windows: Sequence[tuple[PackedRows, Any]], vocab_ids: jax.Array | None, *,
-                   config: ModelConfig, greedy: bool, depth: int) -> tuple[np.ndarray, float]:
+                   config: ModelConfig, greedy: bool, depth: int,
+                   stop: Callable[[], bool] = lambda: False) -> tuple[np.ndarray, float] | None:
   """(slot-weighted sums of a_1..a_depth, response slots) of `params` over held-out (rows,
-  target hidden states) batches: sums, so replicas can add theirs before dividing."""
+  target hidden states) batches: sums, so replicas can add theirs before dividing. None
+  where `stop()` (read before each batch) said to give up."""
   totals, slots = np.zeros(depth), 0.0
   for rows, hidden in windows:
+    if stop():
+      return None
     metrics = jax.device_get(trainer.eval_step(params, target_params, rows, vocab_ids, hidden,
                                                config=config, unroll=depth))
     n = float(metrics["trained_slots"])

@@ -222,7 +222,7 @@ class SpotTrainer:
   def score(self, step: int, target_params: Params, stop: Callable[[], bool]) -> bool:
     """Scores the deployed drafter, the last synced candidate and the shipped drafter on
     this replica's held-out windows of `step` and the step before, for `gate` (module
-    doc), checking `stop` between drafters; False (nothing kept) where it was stopped or
+    doc), checking `stop` before each batch; False (nothing kept) where it was stopped or
     has no windows."""
     self._scores = {}
     windows = [(b.rows, b.hidden) for s in (step - 1, step) for b in self.buffer.heldout(s)]
@@ -235,11 +235,11 @@ class SpotTrainer:
                 "shipped": lambda: self.shipped}
     scores = {}
     for name, params in drafters.items():
-      if stop():
-        return False
       scores[name] = scores["deployed"] if same.get(name) else gate_lib.heldout_levels(
           params(), target_params, windows, self.deployed.vocab_ids, config=self.model_config,
-          greedy=self.config.greedy, depth=self.config.unroll)
+          greedy=self.config.greedy, depth=self.config.unroll, stop=stop)
+      if scores[name] is None:
+        return False
     self._scores = scores
     return True
 
