@@ -8,8 +8,8 @@ on its held-out windows, then trains the drafter (TRAINING), until the last repl
 increment publishes rollout-done, which a watcher thread turns into the event read between
 drafter calls. `at_step_end` runs on every replica after the rollouts are gathered: the
 deploy gate decides from the scores whether the rollout's drafter changes, and the
-replicas' drafters are averaged into the next candidate. Each rollout round (a step, or a step's extra
-DAPO draw) has its own control keys.
+replicas' drafters are averaged into the next candidate. Each rollout round (a step, or a
+step's extra DAPO draw) has its own control keys.
 
 `save` / `restore` keep what resuming needs beside the run's checkpoint: each replica writes
 its own drafter checkpoint (candidate and deployed drafter, optimizer state, its own online
@@ -109,10 +109,10 @@ class IdleDrafter:
             "drafter/preempt_latency_s": max(0.0, time.perf_counter() - done_at),
             "drafter/train_spans": [(s - finished, e - finished) for s, e in report.spans]}
 
-  def at_step_end(self, step: int, target_params: Params, accept_len: float | None
-                  ) -> tuple[DraftWeights, dict[str, Any]]:
-    """Sync every replica's drafter, gate it; (the drafter the next rollout uses, metrics).
-    accept_len: the step's measured accept length (the same on every replica)."""
+  def at_step_end(self, accept_len: float | None) -> tuple[DraftWeights, dict[str, Any]]:
+    """Gate on this step's scores, then sync every replica's drafter; (the drafter the next
+    rollout uses, metrics). accept_len: the step's measured accept length (the same on
+    every replica)."""
     self.accept_len = accept_len
     metrics: dict[str, Any] = {"drafter/buffer_bytes": self.spot.buffer.stats()["bytes"]}
     metrics.update(self.spot.gate())   # collectives: every replica is past its rounds
