@@ -92,9 +92,10 @@ def test_greedy_rollouts_are_the_same_with_and_without_the_online_drafter(
     tiny_hf_dirs, drafter_dir, tmp_path, compile_cache):  # noqa: F811 - the fixture
   """T=0, two replicas, three steps: SD from the first decode step with the drafter replica 0
   trains while replica 1 decodes (the gate judges step 1's candidate on step 2's held-out
-  windows, and step 3 drafts with it) against no SD at all. Greedy rows of a group are equal, so advantages are 0 and the
-  update moves the policy by the KL and weight-decay terms of the rollout's tokens: the
-  same rollouts give the same rewards, update metrics and final policy, bit for bit."""
+  windows, and step 3 drafts with it) against no SD at all. Greedy rows of a group are equal,
+  so advantages are 0 and the update moves the policy by the KL and weight-decay terms of the
+  rollout's tokens: the same rollouts give the same rewards, update metrics and final policy,
+  bit for bit."""
   common = ("--steps=3", "--replicas=2", "--temperature=0", "--eval_every=0", "--num_val=0",
             "--checkpoint_every=2")
   runs = {}

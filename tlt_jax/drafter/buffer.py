@@ -18,15 +18,15 @@ Sampling rule of `batch(step)`. Two pools: the current step's training windows (
 finishers of the rollout in flight) and the previous steps' long ones (windows of the
 sequences whose response length is at least the `long_quantile` quantile of their step's),
 from the `replay_steps` steps before `step`: the one-step offset (replay_steps=1), so the
-drafter, which serves the long tail, does not learn from short answers only; more steps
-give a replica that holds few responses a step more to learn from. Each pool is shuffled by an rng seeded with (seed, batches drawn so far).
-Windows are then drawn one at a time, from the previous pool while its share of the trained
-slots placed so far is below `previous_ratio` and from the current pool otherwise, and
-placed first fit into `batch_rows` rows of `seq_len` tokens; a window that fits nowhere is
-dropped from this batch. When one pool runs out the other fills the rest; a ratio of 0 or
-1 draws from one pool only, unless it is empty. No window is used twice in a batch.
-Samples stay apart in the rows (segment ids, positions restarting at 0) and only response
-slots carry loss.
+drafter, which serves the long tail, does not learn from short answers only; more steps give
+a replica that holds few responses a step more to learn from. Each pool is shuffled by an
+rng seeded with (seed, batches drawn so far). Windows are then drawn one at a time, from the
+previous pool while its share of the trained slots placed so far is below `previous_ratio`
+and from the current pool otherwise, and placed first fit into `batch_rows` rows of
+`seq_len` tokens; a window that fits nowhere is dropped from this batch. When one pool runs
+out the other fills the rest; a ratio of 0 or 1 draws from one pool only, unless it is
+empty. No window is used twice in a batch. Samples stay apart in the rows (segment ids,
+positions restarting at 0) and only response slots carry loss.
 
 Held out: sequence i of a step (in add order) is held out when
 floor((i + 1) * heldout_fraction) > floor(i * heldout_fraction), an exact, even spread.

@@ -3,10 +3,11 @@ keeping only finite ones.
 
 `train_steps` is what a replica runs once its own rows are done: drafter steps on batches
 the online buffer draws for the RL step in flight, until `stop` is set (a threading.Event a
-watcher thread sets when the rollout ends, or any callable returning True), `max_steps`
-have run, or the batches have drawn `max_slots` trained slots (an epoch cap: a replica
-holding few fresh responses would otherwise fit those few). `stop` is read between steps only and every step is waited on, so a stop costs at
-most the one step in flight: the preemption latency is bounded by one drafter step.
+watcher thread sets when the rollout ends, or any callable returning True), `max_steps` have
+run, or the batches have drawn `max_slots` trained slots (an epoch cap: a replica holding
+few fresh responses would otherwise fit those few). `stop` is read between steps only and
+every step is waited on, so a stop costs at most the one step in flight: the preemption
+latency is bounded by one drafter step.
 
 A step whose loss or gradient norm is NaN/Inf is discarded inside the same program: the
 state it would produce is replaced by the one it was given (params, optimizer moments and
@@ -76,7 +77,8 @@ def guarded_step(state: trainer.TrainState, target_params: transformer.Params,
 
 def train_steps(state: trainer.TrainState, target_params: transformer.Params,
                 buffer: OnlineBuffer, step: int, stop: Stop, max_steps: int, *,
-                max_slots: int | None = None, config: ModelConfig, optimizer: optax.GradientTransformation,
+                max_slots: int | None = None, config: ModelConfig,
+                optimizer: optax.GradientTransformation,
                 vocab_ids: jax.Array | None = None, ce_weight: float = CE_WEIGHT,
                 unroll: int = 1) -> tuple[trainer.TrainState, StepsReport]:
   """Drafter steps on `buffer.batch(step)` until `stop`, `max_steps`, `max_slots` trained

@@ -6,7 +6,7 @@ Per replica and RL step:
 1. `observe`: the replica's own responses, with the hidden states its rollout computed
    anyway, go into its online buffer (`drafter/buffer.py`: one-step offset, held-out split).
 2. `score`: once its rows are done, a replica that is not the last to finish scores the
-   drafters the gate decides between on its held-out windows of this step (below).
+   drafters the gate decides between on its held-out windows (below).
 3. `train_while_idle`: then it trains the drafter from its buffer until the control plane
    says the last replica has finished (`stop`, read between drafter steps only, so the
    rollout's end waits at most one drafter step).
@@ -20,9 +20,9 @@ Per replica and RL step:
    next). Scoring on the idle replicas keeps the gate off the rollout's critical path; the
    price is a step of lag: a candidate trained in step t is judged on the held-out windows
    of steps t and t + 1 (no candidate ever trains on held-out windows; two steps' make up
-   for the last replica's, which are not scored), deployed for step t + 2. A drafter equal to another scored one (the candidate
-   no sync has changed since it was deployed; the shipped drafter while it is deployed) is
-   not scored again.
+   for the last replica's, which are not scored) and deployed for step t + 2. A drafter
+   equal to another scored one (the candidate no sync has changed since it was deployed;
+   the shipped drafter while it is deployed) is not scored again.
 5. `sync`: one collective leaves the same candidate on every replica: the replicas'
    drafters averaged, weighted by the steps each trained. Every replica starts a step from
    the same drafter, so this is one round of local SGD; a replica that did not train counts
