@@ -6,13 +6,15 @@ gate's estimate (expected accepted length of a depth-2 chain under sampling) on 
 windows of the same responses.
 
   python benchmarks/research/online_drafter_lr.py [--lrs=3e-4,1e-4,3e-5] [--warmups=0,20]
-      [--eval_at=1,2,4,8,16,32] [--prompts=48] [--model=smollm2|RUN/hf_export] [--output=FILE]
+      [--eval_at=1,2,4,8,16,32] [--prompts=48] [--model=smollm2|RUN/hf_export]
+      [--tasks=gsm_symbolic,...] [--output=FILE]
 
 Prints JSON: the deployed drafter's held-out score, then per (lr, warm-up) the candidate's
 score and train loss at each evaluation step. Every setting trains on the same batches in
 the same order. The responses come from the bundled SmolLM2 at T=1 (reasoning-gym prompts
 held out from the drafter's training), with the rollout's own captured hidden states; with
---model=RUN/hf_export, from a policy RL has moved away from the one the drafter learned.
+--model=RUN/hf_export, from a policy RL has moved away from the one the drafter learned;
+with --tasks naming tasks the drafter never saw, from a new domain.
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ _WARMUPS = flags.DEFINE_list("warmups", ["0", "20"], "Linear warm-up steps.")
 _EVAL_AT = flags.DEFINE_list("eval_at", ["1", "2", "4", "8", "16", "32"],
                              "Drafter steps after which the candidate is scored.")
 _PROMPTS = flags.DEFINE_integer("prompts", 48, "Sampled responses.", lower_bound=8)
+_TASKS = flags.DEFINE_list("tasks", questions.MAIN_TASKS, "reasoning-gym tasks of the prompts "
+                           "(ones the drafter never saw: a policy that moved to a new domain).")
 _NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 256, "Response cap.", lower_bound=8)
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 256, "Tokens per packed row (the ablation's).")
 _BATCH_ROWS = flags.DEFINE_integer("batch_rows", 2, "Packed rows per step (the ablation's).")
@@ -53,7 +57,7 @@ def sampled_responses(model, params):
   from tlt_jax.rollout.engine import generate
   from tlt_jax.rollout.sampling import SamplingParams
 
-  asked = questions.load({"main": (questions.MAIN_TASKS, _PROMPTS.value, _SEED.value)})
+  asked = questions.load({"main": (_TASKS.value, _PROMPTS.value, _SEED.value)})
   prompts = [model.tokenizer.chat_prompt(q) for q in asked["main"]]
   result = generate(params, model.config, prompts, seed=_SEED.value, capture_hidden=True,
                     max_new_tokens=_NEW_TOKENS.value, sampling=SamplingParams(temperature=1.0),
