@@ -131,6 +131,11 @@ def _host_copy(tree):
   return jax.tree.map(np.array, jax.device_get(tree))   # copies, never views of buffers
 
 
+def _on_device(tree):
+  """Device arrays of a `_host_copy` (the last synced candidate, kept on the host)."""
+  return jax.tree.map(jnp.asarray, tree)
+
+
 class SpotTrainer:
   """A replica's drafter trainer, buffer, deployed drafter and gate (module doc)."""
 
@@ -168,7 +173,7 @@ class SpotTrainer:
                                      optimizer=self.optimizer, ce_weight=CE_WEIGHT,
                                      unroll=self.config.unroll)
     # The gate scores the loaded drafter and host copies of synced ones.
-    for params in (self.deployed.params, jax.tree.map(jnp.asarray, self._synced.params)):
+    for params in (self.deployed.params, _on_device(self._synced.params)):
       gate_lib.heldout_levels(params, target_params, [(rows, hidden)],
                               self.deployed.vocab_ids, config=self.model_config,
                               greedy=self.config.greedy, depth=self.config.unroll)
@@ -201,7 +206,7 @@ class SpotTrainer:
           max_slots=max_slots, config=self.model_config, optimizer=self.optimizer,
           vocab_ids=self.deployed.vocab_ids, unroll=self.config.unroll)
     except Exception as e:  # noqa: BLE001 - any failure of a step; the run goes on
-      self.state = jax.tree.map(jnp.asarray, self._synced)
+      self.state = _on_device(self._synced)
       return online.StepsReport.failed(began, e)
     return report
 
@@ -215,7 +220,7 @@ class SpotTrainer:
     if averaged is None:
       return False
     self._synced = _host_copy(jax.tree.unflatten(treedef, averaged))
-    self.state = jax.tree.map(jnp.asarray, self._synced)
+    self.state = _on_device(self._synced)
     self._candidate_round += 1
     return True
 
@@ -231,7 +236,7 @@ class SpotTrainer:
     same = {"candidate": self._candidate_round == self._deployed_round,
             "shipped": self._deployed_round == 0}
     drafters = {"deployed": lambda: self.deployed.params,
-                "candidate": lambda: jax.tree.map(jnp.asarray, self._synced.params),
+                "candidate": lambda: _on_device(self._synced.params),
                 "shipped": lambda: self.shipped}
     scores = {}
     for name, params in drafters.items():
@@ -262,8 +267,7 @@ class SpotTrainer:
     choice = gate_lib.DeployGate(self.config.gate_margin).choose(
         accept["deployed"], accept["candidate"], accept["shipped"])
     if choice == "candidate":
-      self.deployed = self.deployed.replace(
-          params=jax.tree.map(jnp.asarray, self._synced.params))
+      self.deployed = self.deployed.replace(params=_on_device(self._synced.params))
       self._deployed_round = self._candidate_round
     elif choice == "shipped":
       self.deployed = self.deployed.replace(params=self.shipped)
