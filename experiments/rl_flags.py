@@ -84,7 +84,8 @@ _MAX_BATCHES = flags.DEFINE_integer("max_rollout_batches", 4, "Dynamic sampling:
 _PPO_EPOCHS = flags.DEFINE_integer("ppo_epochs", 1, "Passes over a step's responses.")
 _MINI_BATCHES = flags.DEFINE_integer("num_mini_batches", 1, "Optimizer steps per pass.")
 _MICRO_ROWS = flags.DEFINE_integer("micro_batch_rows", 8, "Packed rows per micro-batch "
-                                   "(gradients accumulate over micro-batches).")
+                                   "(gradients accumulate over micro-batches); split over "
+                                   "the data-parallel shards, a multiple of them.")
 _TRAIN_SEQ_LEN = flags.DEFINE_integer("train_seq_len", 0, "Packed row length; 0: "
                                       "max_prompt_len + max_new_tokens rounded up to 64.")
 _REMAT = flags.DEFINE_bool("remat", False, "Recompute layer activations in the backward pass.")

@@ -445,12 +445,13 @@ def test_cpu_token_logprobs_kernel_matches_reference(temperature):
   assert "tlt_token_logprobs_forward" in str(jaxpr)
 
 
-def test_micro_batch_shapes_are_the_precompiled_ones():
+@pytest.mark.parametrize("shards", [1, 2])
+def test_micro_batch_shapes_are_the_precompiled_ones(shards):
   """Every micro-batch of any step has one of `possible_shapes` (what --precompile builds),
-  and all of them turn up."""
+  and all of them turn up, with one data shard or two."""
   from tlt_jax.rl.batching import Sequences, micro_batches, pack, possible_shapes
   rng = np.random.default_rng(0)
-  shapes = set(possible_shapes(4, 64))
+  shapes = set(possible_shapes(4, 64, shards))
   seen = set()
   for i in range(300):
     n = int(rng.integers(1, 24))
@@ -459,6 +460,6 @@ def test_micro_batch_shapes_are_the_precompiled_ones():
     responses = [[2] * int(rng.integers(1, max_response)) for _ in range(n)]
     sequences = Sequences(prompts, responses)
     layout = pack(sequences, range(n), 64)
-    for rows in micro_batches(layout, sequences, 4, {}, {}):
+    for rows in micro_batches(layout, sequences, 4, {}, {}, shards=shards):
       seen.add((rows.tokens.shape[0], rows.scored_slots.shape[0]))
   assert seen == shapes, (sorted(seen), sorted(shapes))

@@ -4,10 +4,18 @@ state back laid out as it came (so the next update compiles nothing). The RL rol
 on the same mesh: the synced policy is laid out by the trainer's rules, samples what one
 device samples, and a later sync compiles no rollout program again.
 
+Under data-parallel rules (a trainer spanning several processes: params whole on every
+shard) each data shard accumulates its own gradient and the optimizer step sums them: the
+update equals the single-device one, each micro-batch's program reduces no gradient, and
+the optimizer step's reduces all of it, once.
+
 The device count is fixed before jax starts, so the check runs in a child process
 (`python -m tests.test_rl_sharded_update`) with XLA_FLAGS set.
 """
 import json
+import re
+
+import numpy as np
 
 from tests.simulated_devices import run_on_8_devices
 
@@ -47,12 +55,13 @@ def _sharded_vs_single() -> dict:
   # so a tiny gradient differing in rounding moves its weight by up to ~lr: keep lr small.
   optimizer = optim.make_optimizer(1e-3, total_steps=1, b2=0.999, schedule="constant")
 
-  def step(rules):
+  def step(rules, micro_batch_rows=2, ppo_epochs=1):
     placed = jax.device_put(params) if rules is None else jax.device_put(
         params, tree_shardings(param_logical_axes(config), params, rules))
+    update = UpdateConfig(micro_batch_rows=micro_batch_rows, train_seq_len=32,
+                          ppo_epochs=ppo_epochs)
     ctx = UpdateContext(config=config, sampling=SamplingParams(1.0),
-                        loss=LossConfig(), update=UpdateConfig(micro_batch_rows=2,
-                                                               train_seq_len=32),
+                        loss=LossConfig(), update=update,
                         optimizer=optimizer, learning_rate=lambda s: 1e-3,
                         max_response_len=16, rules=rules)
     state, metrics = update_policy(init_policy_state(placed, ctx), sequences, advantages,
@@ -60,17 +69,19 @@ def _sharded_vs_single() -> dict:
     return state, metrics, ctx
 
   single, single_metrics, _ = step(None)
+  result = {"data_parallel": {f"{fsdp}x{tp}": _data_parallel(step, fsdp, tp)
+                              for fsdp, tp in ((8, 1), (4, 2))}}
   sharded, sharded_metrics, ctx = step(MeshRules(make_mesh(fsdp=4, tp=2)))
   diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),
                        single.params, sharded.params)
   mu = sharded.opt_state[1][0].mu["layers"]["wq"]
-  result = {"devices": len(jax.devices()),
-          "params_max_abs_diff": max(jax.tree.leaves(diffs)),
-          "params_moved": float(np.max(np.abs(np.asarray(single.params["layers"]["wq"])
-                                              - np.asarray(params["layers"]["wq"])))),
-          "wq_spec": str(sharded.params["layers"]["wq"].sharding.spec),
-          "mu_wq_spec": str(mu.sharding.spec),
-          "loss_diff": abs(single_metrics["actor/loss"] - sharded_metrics["actor/loss"])}
+  result.update({"devices": len(jax.devices()),
+                 "params_max_abs_diff": max(jax.tree.leaves(diffs)),
+                 "params_moved": float(np.max(np.abs(np.asarray(single.params["layers"]["wq"])
+                                                     - np.asarray(params["layers"]["wq"])))),
+                 "wq_spec": str(sharded.params["layers"]["wq"].sharding.spec),
+                 "mu_wq_spec": str(mu.sharding.spec),
+                 "loss_diff": abs(single_metrics["actor/loss"] - sharded_metrics["actor/loss"])})
   # The rollout on the trainer's mesh (laid out by its rules) against one device's.
   settings = RolloutSettings(group_size=2, max_new_tokens=6, sampling=SamplingParams(0.0),
                              eos_ids=(), rules=ctx.rules)
@@ -103,6 +114,51 @@ def _sharded_vs_single() -> dict:
   return result
 
 
+def reduced_elements(hlo: str) -> int:
+  """Elements a device all-reduces in a compiled program (its HLO text): the sizes of its
+  all-reduces' results, summed."""
+  total = 0
+  for line in hlo.splitlines():
+    if re.search(r"= .*\ball-reduce(-start)?\(", line):
+      result = line.split("=", 1)[1].split("all-reduce", 1)[0]
+      for dims in re.findall(r"[a-z0-9]+\[([0-9,]*)\]", result):
+        total += int(np.prod([int(d) for d in dims.split(",") if d]))
+  return total
+
+
+def _data_parallel(step, fsdp: int, tp: int) -> dict:
+  """Two updates (the second's `old` log-probs scored by the trainer) under data-parallel
+  rules on an fsdp x tp mesh against the single-device ones, and the elements their
+  programs all-reduce."""
+  import jax
+
+  from tlt_jax.rl.batching import empty_rows
+  from tlt_jax.rl.update import accumulate_grads, apply_grads, zero_grads
+  from tlt_jax.sharding.mesh import make_mesh
+  from tlt_jax.sharding.rules import DATA_PARALLEL_RULES, MeshRules
+
+  rules = MeshRules(make_mesh(fsdp=fsdp, tp=tp), DATA_PARALLEL_RULES)
+  single, single_metrics, _ = step(None, ppo_epochs=2)
+  state, metrics, ctx = step(rules, micro_batch_rows=fsdp, ppo_epochs=2)
+  diff = max(jax.tree.leaves(jax.tree.map(
+      lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),
+      single.params, state.params)))
+  grads = zero_grads(state.params, rules)
+  static = dict(config=ctx.config, sampling=ctx.sampling, rules=rules)
+  rows = empty_rows(fsdp, 32, fsdp * 8)
+  micro = accumulate_grads.lower(state.params, grads, rows, loss=ctx.loss, **static)
+  optimizer_step = apply_grads.lower(state, grads, optimizer=ctx.optimizer,
+                                     config=ctx.config, rules=rules)
+  return {"params_max_abs_diff": diff,
+          "loss_diff": abs(single_metrics["actor/loss"] - metrics["actor/loss"]),
+          "logprob_gap_diff": abs(single_metrics["rollout/logprob_diff_mean"]
+                                  - metrics["rollout/logprob_diff_mean"]),
+          "grads_data_axis": grads["layers"]["wq"].sharding.spec[0],
+          "params": sum(x.size for x in jax.tree.leaves(state.params)),
+          "micro_batch_reduced": reduced_elements(micro.compile().as_text()),
+          "optimizer_step_reduced": reduced_elements(optimizer_step.compile().as_text())}
+
+
 def test_sharded_update_matches_single_device():
   result = run_on_8_devices("tests.test_rl_sharded_update")
   assert result["devices"] == 8
@@ -118,6 +174,16 @@ def test_sharded_update_matches_single_device():
   assert result["rollout_logprob_diff"] <= 1e-5, result
   assert result["rollout_tokens"] == 4, result
   assert result["rollout_new_programs_after_sync"] == 0, result
+  for mesh, data_parallel in result["data_parallel"].items():
+    assert data_parallel["grads_data_axis"] == "fsdp", (mesh, result)
+    assert data_parallel["params_max_abs_diff"] <= 1e-5, (mesh, result)
+    assert data_parallel["loss_diff"] <= 1e-5, (mesh, result)
+    assert data_parallel["logprob_gap_diff"] <= 1e-5, (mesh, result)
+  # With the data axis alone (every all-reduce is over it), a micro-batch reduces its few
+  # metric sums, never a gradient; the optimizer step reduces every gradient.
+  data_parallel = result["data_parallel"]["8x1"]
+  assert data_parallel["micro_batch_reduced"] < 100, result
+  assert data_parallel["params"] <= data_parallel["optimizer_step_reduced"], result
 
 
 if __name__ == "__main__":

@@ -6,10 +6,13 @@ at j + 1, so a response token k of a sample starting at slot s with prompt lengt
 scored at slot s + p - 1 + k. Per-token fields (advantages, log-probs, weights) live on
 the host per sequence and are scattered into whichever layout a pass uses, so the old and
 reference log-probs computed over one layout serve mini-batches packed another way.
-Micro-batches are `micro_rows` rows; the last is padded to a power of two, so the train
-programs are keyed by a small, known set of row counts. Only response slots need the LM
-head (a fifth of a small model's FLOPs per token), so each micro-batch lists them in
-`scored_slots`, padded to a quarter-step of its slot count (`scored_slot_count`).
+Micro-batches are `micro_rows` rows; the last is padded to a power of two (and to a
+multiple of the data shards), so the train programs are keyed by a small, known set of row
+counts. Only response slots need the LM head (a fifth of a small model's FLOPs per token),
+so each micro-batch lists them in `scored_slots`, padded to a quarter-step of its slot
+count (`scored_slot_count`). With several data shards (`sharding.data_parallel`) a
+micro-batch's rows split evenly over them, and `scored_slots` holds one equal-sized block
+per shard, each indexing its shard's own rows.
 """
 from __future__ import annotations
 
@@ -36,7 +39,8 @@ class TrainRows:
   loss_weights: np.ndarray    # [R, T] float32: aggregation weight, 0 outside the loss
   metric_weights: np.ndarray  # [R, T] float32: mask / tokens in the mini-batch
   scored_slots: np.ndarray    # [K] int32: flat slots (r * T + t) that score a response
-                              # token, padded with R * T (out of range: dropped)
+                              # token, padded out of range (dropped); one block of K /
+                              # shards per data shard, r counted within the shard
 
 
 # TrainRows' float per-token fields, scattered from the host's per-sequence values.
@@ -94,23 +98,25 @@ def response_slots(layout: Layout, sequences: Sequences, k: int) -> np.ndarray:
   return first + np.arange(len(sequences.responses[i]))
 
 
-def row_counts(num_rows: int, micro_rows: int) -> list[int]:
+def _padded(rows: int, micro_rows: int, shards: int) -> int:
+  """A last micro-batch of `rows` rows, padded to a power of two, then to a multiple of the
+  data shards; `micro_rows` (a multiple of them) at most."""
+  power = 1 << (rows - 1).bit_length()
+  return min(micro_rows, -(-power // shards) * shards)
+
+
+def row_counts(num_rows: int, micro_rows: int, shards: int = 1) -> list[int]:
   """Padded row counts of the micro-batches covering `num_rows` rows."""
   full, rest = divmod(num_rows, micro_rows)
   counts = [micro_rows] * full
   if rest:
-    counts.append(min(micro_rows, 1 << (rest - 1).bit_length()))
+    counts.append(_padded(rest, micro_rows, shards))
   return counts
 
 
-def possible_row_counts(micro_rows: int) -> list[int]:
+def possible_row_counts(micro_rows: int, shards: int = 1) -> list[int]:
   """Every row count `row_counts` can produce: the train programs' batch shapes."""
-  counts = {micro_rows}
-  size = 1
-  while size < micro_rows:
-    counts.add(size)
-    size *= 2
-  return sorted(counts)
+  return sorted({_padded(rows, micro_rows, shards) for rows in range(1, micro_rows + 1)})
 
 
 def scored_slot_count(response_slots: int, total_slots: int) -> int:
@@ -119,13 +125,13 @@ def scored_slot_count(response_slots: int, total_slots: int) -> int:
   return min(total_slots, max(quarter, -(-response_slots // quarter) * quarter))
 
 
-def possible_shapes(micro_rows: int, seq_len: int) -> list[tuple[int, int]]:
+def possible_shapes(micro_rows: int, seq_len: int, shards: int = 1) -> list[tuple[int, int]]:
   """Every (row count, scored slot count) a micro-batch can have: the train programs'
   shapes."""
   shapes = set()
-  for count in possible_row_counts(micro_rows):
-    total = count * seq_len
-    shapes.update((count, scored_slot_count(n, total))
+  for count in possible_row_counts(micro_rows, shards):
+    total = count // shards * seq_len       # one shard's slots
+    shapes.update((count, shards * scored_slot_count(n, total))
                   for n in range(0, total + 1, -(-total // 4)))
   return sorted(shapes)
 
@@ -142,12 +148,14 @@ def empty_rows(count: int, seq_len: int, scored: int) -> TrainRows:
 
 def micro_batches(layout: Layout, sequences: Sequences, micro_rows: int,
                   per_token: dict[str, Sequence[np.ndarray]],
-                  per_sequence: dict[str, np.ndarray]) -> Iterator[TrainRows]:
-  """The layout's rows as TrainRows micro-batches.
+                  per_sequence: dict[str, np.ndarray], shards: int = 1
+                  ) -> Iterator[TrainRows]:
+  """The layout's rows as TrainRows micro-batches, each split evenly over `shards` data
+  shards.
 
   per_token: field -> one array per sequence (aligned with its response tokens);
   per_sequence: field -> [num sequences] values broadcast over the response tokens."""
-  counts = row_counts(layout.num_rows, micro_rows)
+  counts = row_counts(layout.num_rows, micro_rows, shards)
   total = sum(counts)
   shape = (total, layout.seq_len)
   tokens, positions, segments = (np.zeros(shape, np.int32) for _ in range(3))
@@ -170,14 +178,23 @@ def micro_batches(layout: Layout, sequences: Sequences, micro_rows: int,
   start = 0
   for count in counts:
     rows = slice(start, start + count)
-    slots = np.flatnonzero(scored[rows])
-    padded = np.full(scored_slot_count(len(slots), count * layout.seq_len),
-                     count * layout.seq_len, np.int32)
-    padded[:len(slots)] = slots
     yield TrainRows(tokens=tokens[rows], positions=positions[rows],
-                    segment_ids=segments[rows], scored_slots=padded,
+                    segment_ids=segments[rows], scored_slots=shard_slots(scored[rows], shards),
                     **{name: a[rows] for name, a in fields.items()})
     start += count
+
+
+def shard_slots(scored: np.ndarray, shards: int) -> np.ndarray:
+  """`scored_slots` of a micro-batch whose scored slots are `scored` [R, T]: per data shard
+  (R / shards rows each) its flat slots, padded to one size for all (`scored_slot_count`)
+  with an index past its slots."""
+  blocks = [np.flatnonzero(block) for block in np.split(scored, shards)]
+  total = scored.size // shards
+  size = scored_slot_count(max(len(b) for b in blocks), total)
+  padded = np.full((shards, size), total, np.int32)
+  for padded_block, block in zip(padded, blocks):
+    padded_block[:len(block)] = block
+  return padded.reshape(-1)
 
 
 def gather_response_values(layout: Layout, sequences: Sequences,

@@ -18,6 +18,7 @@ from tlt_jax.models.transformer import Params, forward_packed, lm_logits
 from tlt_jax.rl.batching import TrainRows
 from tlt_jax.rl.precision import compute_params
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.sharding import data_parallel
 from tlt_jax.sharding.rules import MeshRules, spans_devices
 
 
@@ -53,6 +54,13 @@ def score_rows(params: Params, rows: TrainRows, *, config: ModelConfig,
                sampling: SamplingParams, rules: MeshRules | None = None,
                compute_dtype: str | None = None) -> jax.Array:
   """Log-probs [R, T] without a gradient: the reference policy's, or the old policy's
-  when a step makes several updates; computed in compute_dtype (None: the params')."""
-  return token_logprobs(compute_params(params, compute_dtype), config, rows, sampling,
-                        rules)[0]
+  when a step makes several updates; computed in compute_dtype (None: the params'). With
+  several data shards each scores its own rows (`data_parallel`)."""
+  def score(params, rows, rules):
+    return token_logprobs(compute_params(params, compute_dtype), config, rows, sampling,
+                          rules)[0]
+  if data_parallel.data_shards(rules) == 1:
+    return score(params, rows, rules)
+  return data_parallel.per_shard(score, rules, in_specs=(data_parallel.WHOLE,
+                                                         data_parallel.SHARDED),
+                                 out_specs=data_parallel.SHARDED)(params, rows)

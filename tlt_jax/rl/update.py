@@ -5,7 +5,9 @@ sum of micro-batch losses is the mini-batch loss exactly and accumulation needs 
 rescaling. With a compute dtype (bfloat16) each forward runs in it over the float32 master
 weights, while gradients and AdamW state stay float32 (`precision`). Programs:
 `accumulate_grads` and `score_rows` per micro-batch shape, `apply_grads` once; all are
-counted by `compiled_programs` and built ahead by `precompile_training`.
+counted by `compiled_programs` and built ahead by `precompile_training`. Under
+data-parallel rules each data shard accumulates its own gradient and the optimizer step
+sums them, one all-reduce per optimizer step (`sharding.data_parallel`).
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ from tlt_jax.rl.logprobs import score_rows
 from tlt_jax.rl.losses import policy_loss, sequence_weights
 from tlt_jax.rl.precision import compute_params
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.sharding import data_parallel
+from tlt_jax.sharding.data_parallel import SHARDED, WHOLE, data_shards
 from tlt_jax.sharding.rules import MeshRules, param_logical_axes, tree_shardings
 
 
@@ -95,18 +99,37 @@ def accumulate_grads(params: Params, grads: Params, rows: TrainRows, *, config: 
                      rules: MeshRules | None = None, remat: bool = False,
                      compute_dtype: str | None = None) -> tuple[Params, dict[str, jax.Array]]:
   """grads + d(micro-batch loss)/d(params), and the micro-batch's metric sums; the forward
-  runs in compute_dtype (None: the params' dtype), the gradient comes in the params'."""
-  micro_grads, metrics = jax.grad(_micro_loss, has_aux=True)(params, rows, config, sampling,
-                                                             loss, rules, remat, compute_dtype)
-  return jax.tree.map(jnp.add, grads, micro_grads), metrics
+  runs in compute_dtype (None: the params' dtype), the gradient comes in the params'. With
+  several data shards, `grads` has a leading data axis and each shard adds to its own
+  slice: no collective but the metrics' (`zero_grads`, `apply_grads`)."""
+  def micro(params, rows, rules):
+    return jax.grad(_micro_loss, has_aux=True)(params, rows, config, sampling, loss, rules,
+                                               remat, compute_dtype)
+  if data_shards(rules) == 1:
+    micro_grads, metrics = micro(params, rows, rules)
+    return jax.tree.map(jnp.add, grads, micro_grads), metrics
+
+  def in_shard(params, grads, rows, rules):
+    micro_grads, metrics = micro(params, rows, rules)
+    total = lambda k, v: (jax.lax.pmax if k.endswith("_max") else jax.lax.psum)(
+        v, data_parallel.DATA_AXIS)
+    return (jax.tree.map(lambda g, m: g + m[None], grads, micro_grads),
+            {k: total(k, v) for k, v in metrics.items()})
+  return data_parallel.per_shard(in_shard, rules, in_specs=(WHOLE, SHARDED, SHARDED),
+                                 out_specs=(SHARDED, WHOLE))(params, grads, rows)
 
 
-def zero_grads(params: Params) -> Params:
+def zero_grads(params: Params, rules: MeshRules | None = None) -> Params:
   """The accumulator a mini-batch starts from (apply_grads consumes the last one), laid out
   like the params, as `accumulate_grads` returns it: every micro-batch then calls the same
   program (a jitted zeros_like would leave its layout to XLA, and the first call's
-  differ)."""
-  return jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype, device=p.sharding), params)
+  differ). With several data shards: one slice per shard, on a leading data axis."""
+  shards = data_shards(rules)
+  if shards == 1:
+    return jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype, device=p.sharding), params)
+  return jax.tree.map(lambda p: jnp.zeros((shards, *p.shape), p.dtype,
+                                          device=data_parallel.with_data_axis(p, rules)),
+                      params)
 
 
 @functools.partial(jax.jit, static_argnames=("optimizer", "config", "rules"),
@@ -115,7 +138,10 @@ def apply_grads(state: PolicyState, grads: Params, *, optimizer: optax.GradientT
                 config: ModelConfig | None = None, rules: MeshRules | None = None
                 ) -> tuple[PolicyState, jax.Array]:
   """One optimizer step; returns the new state (laid out as it came) and the gradient's
-  global norm (before clipping)."""
+  global norm (before clipping). Data shards' gradients are summed first: the step's one
+  all-reduce."""
+  if data_shards(rules) > 1:
+    grads = jax.tree.map(lambda g: jnp.sum(g, axis=0), grads)
   grad_norm = optax.tree.norm(grads)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
@@ -145,10 +171,11 @@ def precompile_training(state: PolicyState, ctx: "UpdateContext") -> int:
   same cache the calls use."""
   before = compiled_programs()
   score = ctx.loss.uses_reference or ctx.update.updates_per_step > 1
-  grads = zero_grads(state.params)
+  grads = zero_grads(state.params, ctx.rules)
   static = dict(config=ctx.config, sampling=ctx.sampling, rules=ctx.rules,
                 compute_dtype=ctx.compute_dtype)
-  for count, scored in possible_shapes(ctx.update.micro_batch_rows, ctx.update.train_seq_len):
+  for count, scored in possible_shapes(ctx.update.micro_batch_rows, ctx.update.train_seq_len,
+                                       ctx.data_shards):
     rows = empty_rows(count, ctx.update.train_seq_len, scored)
     accumulate_grads.lower(state.params, grads, rows, loss=ctx.loss, remat=ctx.update.remat,
                            **static).compile()
@@ -199,6 +226,17 @@ class UpdateContext:
   # "bfloat16" on accelerators (`precision`); None: the params' own.
   compute_dtype: str | None = None
 
+  def __post_init__(self):
+    if self.update.micro_batch_rows % self.data_shards:
+      raise UserInputError(f"--micro_batch_rows={self.update.micro_batch_rows}: must be a "
+                           f"multiple of the trainer's {self.data_shards} data-parallel "
+                           "shards (a micro-batch's rows split evenly over them)")
+
+  @property
+  def data_shards(self) -> int:
+    """Shards that accumulate their own gradients (`sharding.data_parallel`)."""
+    return data_shards(self.rules)
+
 
 def score_sequences(params: Params, sequences: Sequences, ctx: UpdateContext
                     ) -> list[np.ndarray]:
@@ -206,7 +244,8 @@ def score_sequences(params: Params, sequences: Sequences, ctx: UpdateContext
   layout = pack(sequences, range(len(sequences)), ctx.update.train_seq_len)
   values = [score_rows(params, rows, config=ctx.config, sampling=ctx.sampling,
                        rules=ctx.rules, compute_dtype=ctx.compute_dtype)
-            for rows in micro_batches(layout, sequences, ctx.update.micro_batch_rows, {}, {})]
+            for rows in micro_batches(layout, sequences, ctx.update.micro_batch_rows, {}, {},
+                                      shards=ctx.data_shards)]
   return gather_response_values(layout, sequences, to_host(values))
 
 
@@ -235,11 +274,12 @@ def minibatch_grads(params: Params, sequences: Sequences, mini_batch: Sequence[i
                                          ctx.max_response_len)
   tokens = max(int(masked_lengths[mini_batch].sum()), 1)
   layout = pack(sequences, mini_batch, ctx.update.train_seq_len)
-  grads = zero_grads(params)
+  grads = zero_grads(params, ctx.rules)
   sums: list[dict[str, jax.Array]] = []
   for rows in micro_batches(layout, sequences, ctx.update.micro_batch_rows, per_token,
                             per_sequence={"advantages": advantages, "loss_weights": weights,
-                                          "metric_weights": in_loss.astype(np.float32) / tokens}):
+                                          "metric_weights": in_loss.astype(np.float32) / tokens},
+                            shards=ctx.data_shards):
     grads, micro_metrics = accumulate_grads(params, grads, rows, config=ctx.config,
                                             sampling=ctx.sampling, loss=loss or ctx.loss,
                                             rules=ctx.rules, remat=ctx.update.remat,
