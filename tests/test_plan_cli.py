@@ -55,6 +55,11 @@ def test_a_run_that_cannot_fit_is_refused_before_loading(tmp_path):
   assert proc.returncode == 2 and "error: --micro_batch_rows=64" in proc.stderr
   proc = _cli("experiments.plan", flagfile, "--device_memory_gib=4")
   assert proc.returncode == 2 and "error: --fsdp=8" in proc.stderr
+  # With replicas the update is data parallel over all 8 devices: a micro-batch's rows
+  # split evenly over them.
+  proc = _cli("experiments.plan", flagfile, "--replicas=2", "--micro_batch_rows=4")
+  assert proc.returncode == 2, proc.stderr
+  assert "error: --micro_batch_rows=4: must be a multiple of the trainer's 8" in proc.stderr
 
 
 def _shape(config, **overrides):

@@ -82,5 +82,31 @@ def test_make_mesh_rejects_wrong_device_count():
     make_mesh(fsdp=2, tp=2, devices=jax.devices()[:1])
 
 
+def test_data_parallel_shards_split_micro_batches_evenly():
+  """Data-parallel rules make each fsdp shard accumulate its own gradient (FSDP rules do
+  not); a micro-batch's rows must then split evenly over the shards."""
+  from jax.sharding import AbstractMesh, AxisType
+
+  from tlt_jax.errors import UserInputError
+  from tlt_jax.rl.config import LossConfig
+  from tlt_jax.rl.update import UpdateConfig, UpdateContext
+  from tlt_jax.rollout.sampling import SamplingParams
+  from tlt_jax.sharding.data_parallel import data_shards
+  from tlt_jax.sharding.mesh import MESH_AXES
+  from tlt_jax.sharding.rules import DATA_PARALLEL_RULES, MeshRules
+
+  mesh = AbstractMesh((4, 2), MESH_AXES, axis_types=(AxisType.Auto,) * 2)
+  data_parallel = MeshRules(mesh, DATA_PARALLEL_RULES)
+  assert data_shards(data_parallel) == 4
+  assert data_shards(MeshRules(mesh)) == 1 and data_shards(None) == 1
+  context = lambda rows: UpdateContext(
+      config=None, sampling=SamplingParams(), loss=LossConfig(),
+      update=UpdateConfig(micro_batch_rows=rows), optimizer=None, learning_rate=None,
+      max_response_len=8, rules=data_parallel)
+  assert context(8).data_shards == 4
+  with pytest.raises(UserInputError, match="--micro_batch_rows=6: must be a multiple"):
+    context(6)
+
+
 if __name__ == "__main__":
   print(json.dumps(_sharded_vs_unsharded()))

@@ -43,6 +43,7 @@ from tlt_jax.rollout.budget import kv_bytes_per_row, row_bytes, rows_within
 from tlt_jax.rollout.buckets import BucketSpec
 from tlt_jax.rollout.engine import cache_length
 from tlt_jax.rollout.spec_config import SpecConfig
+from tlt_jax.sharding.data_parallel import check_micro_batch_rows
 from tlt_jax.sharding.mesh import MESH_AXES
 from tlt_jax.sharding.rules import DATA_PARALLEL_RULES, MeshRules, param_logical_axes
 
@@ -241,8 +242,9 @@ def _activations(shape: RunShape) -> dict[str, int]:
 
 def check(plan: MemoryPlan) -> None:
   """Refuses, in one line naming the flag to change, a run whose rollout or update does
-  not fit a device."""
+  not fit a device, or whose micro-batches do not split over its data shards."""
   shape, gib = plan.shape, lambda x: f"{x / GIB:.1f} GiB"
+  check_micro_batch_rows(shape.micro_batch_rows, shape.rules)
   have = shape.device_bytes
   if plan.resident > have:
     # With several replicas the trainer is data parallel: only --tp splits the params.

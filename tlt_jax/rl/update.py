@@ -227,10 +227,7 @@ class UpdateContext:
   compute_dtype: str | None = None
 
   def __post_init__(self):
-    if self.update.micro_batch_rows % self.data_shards:
-      raise UserInputError(f"--micro_batch_rows={self.update.micro_batch_rows}: must be a "
-                           f"multiple of the trainer's {self.data_shards} data-parallel "
-                           "shards (a micro-batch's rows split evenly over them)")
+    data_parallel.check_micro_batch_rows(self.update.micro_batch_rows, self.rules)
 
   @property
   def data_shards(self) -> int:

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from tlt_jax.errors import UserInputError
 from tlt_jax.sharding.rules import MeshRules
 
 DATA_AXIS = "fsdp"   # the mesh axis the batch is split over
@@ -28,6 +29,15 @@ def data_shards(rules: MeshRules | None) -> int:
   if rules is None or (("embed", DATA_AXIS) in rules.rules):
     return 1
   return rules.mesh.shape[DATA_AXIS]
+
+
+def check_micro_batch_rows(micro_batch_rows: int, rules: MeshRules | None) -> None:
+  """A micro-batch's rows split evenly over the data shards."""
+  shards = data_shards(rules)
+  if micro_batch_rows % shards:
+    raise UserInputError(f"--micro_batch_rows={micro_batch_rows}: must be a multiple of the "
+                         f"trainer's {shards} data-parallel shards (a micro-batch's rows split "
+                         "evenly over them)")
 
 
 def _rules_in_shard(rules: MeshRules) -> MeshRules | None:
