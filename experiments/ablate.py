@@ -296,8 +296,8 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
   lines.append("")
   lines.append("Seconds: medians over the steps after the first (step 1 compiles); rollout s "
                "is the slowest replica's, its share of the step's seconds in brackets; tail s "
-               "(seconds with at most the SD threshold's live rows) and idle seconds are "
-               "process 0's. Accept len: median over the steps where SD "
+               "(seconds with at most the SD threshold's live rows) are process 0's, idle "
+               "seconds every replica's. Accept len: median over the steps where SD "
                "ran. Drafter steps and idle seconds: sums over the steps. Lengths: medians of "
                "the steps' p50 and p90, and the longest response.")
   return "\n".join(lines) + "\n"
@@ -438,7 +438,7 @@ def checks_markdown(checks: dict[str, Any]) -> str:
     c = checks["idle_use"]
     lines.append(f"- idle seconds used by drafter training and gate scoring: {c['used_s']:.0f} / "
                  f"{c['available_s']:.0f} = {_num(c['used_frac'], '.2f')} (goal >= 0.8; "
-                 f"process 0, steps {c['steps']}); stop latency p99 "
+                 f"all replicas, steps {c['steps']}); stop latency p99 "
                  f"{_num(c['preempt_latency_p99_s'], '.2f')} s against a drafter step's "
                  f"{_num(c['drafter_step_s_p99'], '.2f')} s (median "
                  f"{_num(c['drafter_step_s_median'], '.2f')} s, {c['drafter_steps']} steps): "

@@ -6,7 +6,8 @@ beside its table): each returns the figures it judged by and whether the goal ho
   deploy gate's held-out estimate of `tlt`'s deployed drafter over the shipped one), and
   the order `tlt` >= `tlt_frozen` >= `tlt_base`;
 - idle time: drafter seconds used over the idle seconds available, and the stop's latency
-  against one drafter step (process 0's figures, from the steps it finished first);
+  against one drafter step (every replica's figures, from the steps some replica was
+  idle);
 - losslessness: `baseline`'s and `tlt`'s rewards per step as two samples (Mann-Whitney U;
   the paired Wilcoxon test beside it, as each step draws the same prompts), their last
   validation accuracies (Fisher's exact test), and step 0's greedy validation, which
@@ -79,7 +80,8 @@ def accept_order(accept_len: dict[str, float]) -> dict[str, Any] | None:
 def idle_use(history: Records) -> dict[str, Any]:
   """Idle seconds used by drafter training over those available, and the stop's latency
   against one drafter step (the p99 of each: a stop waits for the rest of the step in
-  flight), over the steps where process 0 finished its rollout before another replica."""
+  flight), over the steps where a replica finished its rollout before another (every
+  replica's seconds: the step's record sums them)."""
   trained = [r for r in _steps(history).values()
              if r.get("drafter/idle_device_s_available", 0) > 0]
   used = sum(r["drafter/idle_device_s_used"] for r in trained)

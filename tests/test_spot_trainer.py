@@ -218,3 +218,28 @@ def test_idle_drafter_checkpoint_resumes_drafter_optimizer_buffer_and_watch(targ
     side.spot.train_while_idle(2, target, iter([False, True]).__next__)
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(saved.spot.state),
                jax.device_get(resumed.spot.state))
+
+
+def test_idle_metrics_of_several_rounds_combine_into_the_jobs():
+  """A step's idle figures over every replica (and draw): counts and seconds add up, the
+  worst stop latency counts, spans are listed in order, the loss is the mean over kept
+  drafter steps; a replica that was last to finish adds only its zero seconds."""
+  from tlt_jax.rl.idle_drafter import combine_rounds
+
+  first = {"drafter/train_steps": 3, "drafter/discarded_steps": 0, "drafter/loss": 1.0,
+           "drafter/idle_device_s_available": 4.0, "drafter/idle_device_s_used": 3.5,
+           "drafter/preempt_latency_s": 0.2, "drafter/train_spans": [[0.0, 1.0], [1.0, 2.0]]}
+  second = {**first, "drafter/train_steps": 2, "drafter/discarded_steps": 1,
+            "drafter/loss": 4.0, "drafter/preempt_latency_s": 0.5,
+            "drafter/train_spans": [[0.5, 1.5]]}
+  last = {"drafter/idle_device_s_available": 0.0, "drafter/idle_device_s_used": 0.0}
+  job = combine_rounds([first, second, last])
+  assert job["drafter/train_steps"] == 5 and job["drafter/discarded_steps"] == 1
+  assert job["drafter/idle_device_s_available"] == 8.0
+  assert job["drafter/idle_device_s_used"] == 7.0
+  assert job["drafter/preempt_latency_s"] == 0.5
+  assert job["drafter/train_spans"] == [[0.0, 1.0], [1.0, 2.0], [0.5, 1.5]]
+  assert job["drafter/loss"] == pytest.approx((3 * 1.0 + 1 * 4.0) / 4)
+  untrained = combine_rounds([{**first, "drafter/train_steps": 0, "drafter/loss": 9.0}, last])
+  assert np.isnan(untrained["drafter/loss"])
+  assert combine_rounds([last]) == last

@@ -131,8 +131,9 @@ def possible_shapes(micro_rows: int, seq_len: int, shards: int = 1) -> list[tupl
   shapes = set()
   for count in possible_row_counts(micro_rows, shards):
     total = count // shards * seq_len       # one shard's slots
+    quarter = -(-total // 4)
     shapes.update((count, shards * scored_slot_count(n, total))
-                  for n in range(0, total + 1, -(-total // 4)))
+                  for n in range(0, total + quarter, quarter))
   return sorted(shapes)
 
 
@@ -179,12 +180,13 @@ def micro_batches(layout: Layout, sequences: Sequences, micro_rows: int,
   for count in counts:
     rows = slice(start, start + count)
     yield TrainRows(tokens=tokens[rows], positions=positions[rows],
-                    segment_ids=segments[rows], scored_slots=shard_slots(scored[rows], shards),
+                    segment_ids=segments[rows],
+                    scored_slots=_shard_slots(scored[rows], shards),
                     **{name: a[rows] for name, a in fields.items()})
     start += count
 
 
-def shard_slots(scored: np.ndarray, shards: int) -> np.ndarray:
+def _shard_slots(scored: np.ndarray, shards: int) -> np.ndarray:
   """`scored_slots` of a micro-batch whose scored slots are `scored` [R, T]: per data shard
   (R / shards rows each) its flat slots, padded to one size for all (`scored_slot_count`)
   with an index past its slots."""

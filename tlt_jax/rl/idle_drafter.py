@@ -8,7 +8,9 @@ on its held-out windows, then trains the drafter (TRAINING), until the last repl
 increment publishes rollout-done, which a watcher thread turns into the event read between
 drafter calls. `at_step_end` runs on every replica after the rollouts are gathered: the
 deploy gate decides from the scores whether the rollout's drafter changes, and the
-replicas' drafters are averaged into the next candidate. Each rollout round (a step, or a
+replicas' drafters are averaged into the next candidate; it also reports the step's idle
+metrics for the whole job: every replica's rounds, gathered and combined
+(`combine_rounds`), whichever replica finished first. Each rollout round (a step, or a
 step's extra DAPO draw) has its own control keys.
 
 `save` / `restore` keep what resuming needs beside the run's checkpoint: each replica writes
@@ -44,6 +46,27 @@ class AllProcesses:
     return [{k: v[i] for k, v in stacked.items()} for i in range(collectives.process_count())]
 
 
+def combine_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+  """Idle metrics of several rounds (a step's draws, or every replica's step) as one:
+  counts and seconds add up, the stop's latency is the worst, the drafter steps' spans
+  are listed in order, the loss is the mean over all drafter steps."""
+  kept = lambda r: r.get("drafter/train_steps", 0) - r.get("drafter/discarded_steps", 0)
+  out: dict[str, Any] = {}
+  for key in sorted({k for r in rounds for k in r}):
+    values = [r[key] for r in rounds if key in r]
+    if key == "drafter/train_spans":
+      out[key] = [span for spans in values for span in spans]
+    elif key == "drafter/preempt_latency_s":
+      out[key] = max(values)
+    elif key == "drafter/loss":
+      losses = [(r[key], kept(r)) for r in rounds if key in r and kept(r) > 0]
+      out[key] = (sum(loss * n for loss, n in losses) / sum(n for _, n in losses)
+                  if losses else float("nan"))
+    else:
+      out[key] = sum(values)
+  return out
+
+
 def _inside(spans: list[tuple[float, float]], done_at: float) -> float:
   """Seconds of `spans` before `done_at`: the drafter call in flight at the stop runs past
   the idle window (that overrun is the preempt latency, not idle time used)."""
@@ -61,12 +84,17 @@ class IdleDrafter:
     self.checkpoints = checkpoints
     self.steps_trained = 0
     self.rounds: list[int] = []            # control-plane rounds of the step in flight
+    self.round_metrics: list[dict[str, Any]] = []   # this replica's, of those rounds
     self.accept_len: float | None = None   # the deployed drafter's, last step
 
   def while_idle(self, step: int, draw: int, rollouts: GroupRollouts,
-                 target_params: Params) -> dict[str, Any]:
+                 target_params: Params) -> None:
     """Buffer this replica's rollout, then score and train until every replica's rollout is
-    done."""
+    done; its metrics are reported at the step end."""
+    self.round_metrics.append(self._idle_round(step, draw, rollouts, target_params))
+
+  def _idle_round(self, step: int, draw: int, rollouts: GroupRollouts,
+                  target_params: Params) -> dict[str, Any]:
     round_id = step * ROUNDS_PER_STEP + draw
     self.rounds.append(round_id)
     time.sleep(self.extra_tail_s)
@@ -111,10 +139,12 @@ class IdleDrafter:
 
   def at_step_end(self, accept_len: float | None) -> tuple[DraftWeights, dict[str, Any]]:
     """Gate on this step's scores, then sync every replica's drafter; (the drafter the next
-    rollout uses, metrics). accept_len: the step's measured accept length (the same on
-    every replica)."""
+    rollout uses, metrics: the step's idle figures summed over every replica's rounds).
+    accept_len: the step's measured accept length (the same on every replica)."""
     self.accept_len = accept_len
-    metrics: dict[str, Any] = {"drafter/buffer_bytes": self.spot.buffer.stats()["bytes"]}
+    own, self.round_metrics = combine_rounds(self.round_metrics), []
+    metrics = combine_rounds(collectives.allgather_json(own))
+    metrics["drafter/buffer_bytes"] = self.spot.buffer.stats()["bytes"]
     metrics.update(self.spot.gate())   # collectives: every replica is past its rounds
     self.spot.sync(self.steps_trained)
     metrics["drafter/replicas_identical"] = self.replicas_identical()

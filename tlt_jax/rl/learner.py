@@ -167,7 +167,6 @@ class Learner:
                                             idle_round=(step, len(draws)))
       rollout_s += times["rollout_s"]
       reward_s += times["reward_s"]
-      add_drafter_metrics(record, times["drafter"])
       if not draws:
         record.update(rollout_stats(scored.rollouts.stats))
         record.update(self.replica_metrics(times))
@@ -192,9 +191,10 @@ class Learner:
                        ) -> tuple[ScoredGroups, dict[str, Any]]:
     """This replica's block of `items` sampled and scored, then every replica's block
     gathered (`replicas.gather_scored`): all of `items`, scored, on every process. Also
-    returns this replica's rollout and reward seconds, the gather's wait, each replica's
-    rollout seconds, and the online drafter's metrics: with one, a replica done before the
-    others trains it until they are (`idle_round`: the step and its draw)."""
+    returns this replica's rollout and reward seconds, the gather's wait and each replica's
+    rollout seconds. With an online drafter, a replica done before the others trains it
+    until they are (`idle_round`: the step and its draw; its metrics come at the step
+    end)."""
     mine = items[self.replicas.block(len(items))]
     t = time.perf_counter()
     rollouts = sample_groups(self.rollout_params, self.config, [i.prompt_ids for i in mine],
@@ -204,9 +204,8 @@ class Learner:
     t = time.perf_counter()
     local = self.score(rollouts, mine, group_size=settings.group_size)
     reward_s = time.perf_counter() - t
-    drafter_metrics = {}
     if self.idle_drafter is not None and idle_round is not None:
-      drafter_metrics = self.idle_drafter.while_idle(*idle_round, rollouts, self.rollout_params)
+      self.idle_drafter.while_idle(*idle_round, rollouts, self.rollout_params)
     t = time.perf_counter()
     scored, per_replica = gather_scored(
         local, items, self.replicas, settings.group_size, settings.max_new_tokens,
@@ -214,7 +213,7 @@ class Learner:
     return scored, {"rollout_s": rollout_s, "reward_s": reward_s,
                     "gather_s": time.perf_counter() - t,
                     "replica_rollout_s": per_replica["rollout_s"],
-                    "replica_tokens": per_replica["tokens"], "drafter": drafter_metrics}
+                    "replica_tokens": per_replica["tokens"]}
 
   def replica_metrics(self, times: dict[str, Any]) -> dict[str, Any]:
     """With several replicas: the tokens all generated, each one's rollout seconds, the
@@ -299,14 +298,6 @@ class Learner:
         "response_len/p90": float(np.percentile(lengths, 90)),
         "response_len/clip_frac": float(scored.rollouts.truncated.mean()),
     }
-
-
-def add_drafter_metrics(record: dict[str, Any], metrics: dict[str, Any]) -> None:
-  """One draw's online drafter metrics into the step's record: counts and seconds add up
-  over a step's draws, the rest is the last draw's."""
-  for key, value in metrics.items():
-    summed = key.endswith(("_steps", "_s_used", "_s_available"))
-    record[key] = record.get(key, 0) + value if summed else value
 
 
 def compile_totals() -> dict[str, int]:

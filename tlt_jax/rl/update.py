@@ -36,7 +36,6 @@ from tlt_jax.rl.losses import policy_loss, sequence_weights
 from tlt_jax.rl.precision import compute_params
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.sharding import data_parallel
-from tlt_jax.sharding.data_parallel import SHARDED, WHOLE, data_shards
 from tlt_jax.sharding.rules import MeshRules, param_logical_axes, tree_shardings
 
 
@@ -101,22 +100,38 @@ def accumulate_grads(params: Params, grads: Params, rows: TrainRows, *, config: 
   """grads + d(micro-batch loss)/d(params), and the micro-batch's metric sums; the forward
   runs in compute_dtype (None: the params' dtype), the gradient comes in the params'. With
   several data shards, `grads` has a leading data axis and each shard adds to its own
-  slice: no collective but the metrics' (`zero_grads`, `apply_grads`)."""
+  slice: over the data axis only the metrics are reduced (`zero_grads`, `apply_grads`)."""
   def micro(params, rows, rules):
     return jax.grad(_micro_loss, has_aux=True)(params, rows, config, sampling, loss, rules,
                                                remat, compute_dtype)
-  if data_shards(rules) == 1:
+  if data_parallel.data_shards(rules) == 1:
     micro_grads, metrics = micro(params, rows, rules)
     return jax.tree.map(jnp.add, grads, micro_grads), metrics
 
   def in_shard(params, grads, rows, rules):
     micro_grads, metrics = micro(params, rows, rules)
-    total = lambda k, v: (jax.lax.pmax if k.endswith("_max") else jax.lax.psum)(
-        v, data_parallel.DATA_AXIS)
     return (jax.tree.map(lambda g, m: g + m[None], grads, micro_grads),
-            {k: total(k, v) for k, v in metrics.items()})
-  return data_parallel.per_shard(in_shard, rules, in_specs=(WHOLE, SHARDED, SHARDED),
-                                 out_specs=(SHARDED, WHOLE))(params, grads, rows)
+            _metrics_over_shards(metrics))
+  sharded, whole = data_parallel.SHARDED, data_parallel.WHOLE
+  return data_parallel.per_shard(in_shard, rules, in_specs=(whole, sharded, sharded),
+                                 out_specs=(sharded, whole))(params, grads, rows)
+
+
+def _is_max(metric: str) -> bool:
+  """Whether a metric combines over micro-batches and shards by max (else by sum)."""
+  return metric.endswith("_max")
+
+
+def _metrics_over_shards(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """Every shard's metric sums combined over the data shards: one psum of the stacked sums
+  and one pmax of the maxima (each collective costs a round trip)."""
+  out = {}
+  for reduce, keys in ((jax.lax.psum, [k for k in metrics if not _is_max(k)]),
+                       (jax.lax.pmax, [k for k in metrics if _is_max(k)])):
+    if keys:
+      values = reduce(jnp.stack([metrics[k] for k in keys]), data_parallel.DATA_AXIS)
+      out.update({k: values[i] for i, k in enumerate(keys)})
+  return out
 
 
 def zero_grads(params: Params, rules: MeshRules | None = None) -> Params:
@@ -124,7 +139,7 @@ def zero_grads(params: Params, rules: MeshRules | None = None) -> Params:
   like the params, as `accumulate_grads` returns it: every micro-batch then calls the same
   program (a jitted zeros_like would leave its layout to XLA, and the first call's
   differ). With several data shards: one slice per shard, on a leading data axis."""
-  shards = data_shards(rules)
+  shards = data_parallel.data_shards(rules)
   if shards == 1:
     return jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype, device=p.sharding), params)
   return jax.tree.map(lambda p: jnp.zeros((shards, *p.shape), p.dtype,
@@ -140,7 +155,7 @@ def apply_grads(state: PolicyState, grads: Params, *, optimizer: optax.GradientT
   """One optimizer step; returns the new state (laid out as it came) and the gradient's
   global norm (before clipping). Data shards' gradients are summed first: the step's one
   all-reduce."""
-  if data_shards(rules) > 1:
+  if data_parallel.data_shards(rules) > 1:
     grads = jax.tree.map(lambda g: jnp.sum(g, axis=0), grads)
   grad_norm = optax.tree.norm(grads)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -232,7 +247,7 @@ class UpdateContext:
   @property
   def data_shards(self) -> int:
     """Shards that accumulate their own gradients (`sharding.data_parallel`)."""
-    return data_shards(self.rules)
+    return data_parallel.data_shards(self.rules)
 
 
 def score_sequences(params: Params, sequences: Sequences, ctx: UpdateContext
@@ -262,8 +277,10 @@ def minibatch_grads(params: Params, sequences: Sequences, mini_batch: Sequence[i
                     in_loss: np.ndarray, ctx: UpdateContext,
                     loss: LossConfig | None = None) -> tuple[Params, dict[str, float]]:
   """The gradient of one mini-batch's loss (sequences `mini_batch`), accumulated over its
-  packed micro-batches, and its metric sums. `loss` overrides the program's LossConfig
-  (the aggregation mode only shapes the host-side weights, never the program)."""
+  packed micro-batches, and its metric sums; with several data shards, each shard's part
+  of it on a leading data axis, which `apply_grads` sums. `loss` overrides the program's
+  LossConfig (the aggregation mode only shapes the host-side weights, never the
+  program)."""
   n = len(sequences)
   masked_lengths = np.array([len(r) for r in sequences.responses]) * in_loss
   weights = np.zeros(n, np.float32)
@@ -283,7 +300,7 @@ def minibatch_grads(params: Params, sequences: Sequences, mini_batch: Sequence[i
                                             compute_dtype=ctx.compute_dtype)
     sums.append(micro_metrics)
   sums = jax.device_get(sums)
-  merged = {k: (max if k.endswith("_max") else sum)(m[k] for m in sums) for k in sums[0]}
+  merged = {k: (max if _is_max(k) else sum)(m[k] for m in sums) for k in sums[0]}
   merged["train/micro_batches"] = len(sums)
   merged["train/rows"] = layout.num_rows
   return grads, merged
@@ -318,6 +335,7 @@ def update_policy(state: PolicyState, sequences: Sequences, advantages: np.ndarr
                                       per_token, in_loss, ctx)
       state, grad_norm = apply_grads(state, grads, optimizer=ctx.optimizer, config=ctx.config,
                                      rules=ctx.rules)
+      del grads   # before the next mini-batch's accumulator: two gradients at most, not three
       merged["actor/grad_norm"] = float(grad_norm)
       step_sums.append(merged)
   if ctx.update.updates_per_step == 1:

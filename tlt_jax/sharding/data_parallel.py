@@ -17,16 +17,17 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from tlt_jax.errors import UserInputError
-from tlt_jax.sharding.rules import MeshRules
+from tlt_jax.sharding.mesh import MESH_AXES
+from tlt_jax.sharding.rules import DATA_PARALLEL_RULES, MeshRules
 
-DATA_AXIS = "fsdp"   # the mesh axis the batch is split over
+DATA_AXIS = MESH_AXES[0]   # the mesh axis the batch is split over
 
 
 def data_shards(rules: MeshRules | None) -> int:
-  """How many shards compute their own gradients: the data axis's size when the params are
-  whole on each of its shards (data-parallel rules), else 1 (FSDP splits the params over
-  it, and each micro-batch's gradient is reduce-scattered as it comes)."""
-  if rules is None or (("embed", DATA_AXIS) in rules.rules):
+  """How many shards compute their own gradients: the data axis's size under
+  `DATA_PARALLEL_RULES` (params whole on each of its shards), else 1 (FSDP splits the
+  params over it, and each micro-batch's gradient is reduce-scattered as it comes)."""
+  if rules is None or rules.rules != DATA_PARALLEL_RULES:
     return 1
   return rules.mesh.shape[DATA_AXIS]
 
@@ -47,7 +48,7 @@ def _rules_in_shard(rules: MeshRules) -> MeshRules | None:
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.size == mesh.shape[DATA_AXIS]:
     return None
-  return MeshRules(mesh, tuple(r for r in rules.rules if r[0] != "batch"))
+  return MeshRules(mesh, tuple(r for r in rules.rules if r[1] != DATA_AXIS))
 
 
 def per_shard(fn: Callable[..., Any], rules: MeshRules, in_specs: Any, out_specs: Any
@@ -56,8 +57,12 @@ def per_shard(fn: Callable[..., Any], rules: MeshRules, in_specs: Any, out_specs
   axis only). Specs name the data axis alone: `SHARDED` for a leading data axis, `WHOLE`
   for a value every shard holds whole."""
   body = lambda *args: fn(*args, rules=_rules_in_shard(rules))
-  # Unchecked: the kernel seam's per-platform branches (`ops.by_platform`) do not say which
-  # of their outputs vary across shards; `fn` reduces what it returns WHOLE itself.
+  # Unchecked, for two reasons. With checking, the gradient with respect to params that
+  # are WHOLE would be all-reduced inside `fn` (the transpose of their implicit broadcast to
+  # the shards): the per-micro-batch all-reduce again, and `shards` times the gradient once
+  # the optimizer step sums the shards. And the kernel seam's per-platform branches
+  # (`ops.by_platform`) do not say which of their outputs vary across shards. `fn` reduces
+  # what it returns WHOLE itself.
   return jax.shard_map(body, mesh=rules.mesh, in_specs=in_specs, out_specs=out_specs,
                        axis_names={DATA_AXIS}, check_vma=False)
 
