@@ -40,6 +40,11 @@ REPLAY_STEPS = flags.DEFINE_integer(
     "drafter_replay_steps", 1, "Online drafter: earlier RL steps whose long responses batches "
     "draw from beside the current step's (1: the previous step only, the one-step offset).",
     lower_bound=1)
+SHARE_MIB = flags.DEFINE_integer(
+    "drafter_share_mib", 64, "Online drafter: each replica's long responses of a step (tokens "
+    "and hidden states), up to this many MiB, go to every other replica's buffer at the step "
+    "end, so the replica the tail leaves idle also trains on the tail's responses; 0: each "
+    "replica trains on its own only.", lower_bound=0)
 HELDOUT = flags.DEFINE_float("drafter_heldout_fraction", 0.05, "Online drafter: share of each "
                              "step's responses the deploy gate scores on and training never "
                              "sees.")
@@ -53,7 +58,7 @@ DECAY_TOLERANCE = flags.DEFINE_float("drafter_decay_tolerance", 0.1, "--drafter_
 _NEEDS_TRAINING = ("drafter_lr", "drafter_warmup_steps", "drafter_max_steps",
                    "drafter_max_epochs", "drafter_unroll", "drafter_buffer_mib",
                    "drafter_seq_len", "drafter_batch_rows", "drafter_previous_ratio",
-                   "drafter_replay_steps",
+                   "drafter_replay_steps", "drafter_share_mib",
                    "drafter_heldout_fraction", "drafter_gate_margin", "drafter_decay_tolerance")
 
 
@@ -87,6 +92,6 @@ def spot_from_flags(*, learned: bool, greedy: bool, seed: int):
                         heldout_fraction=HELDOUT.value, seed=seed)
   return SpotConfig(train=TRAIN.value, buffer=buffer, lr=LR.value,
                     warmup_steps=WARMUP.value, max_steps=MAX_STEPS.value,
-                    max_epochs=MAX_EPOCHS.value,
+                    max_epochs=MAX_EPOCHS.value, share_bytes=SHARE_MIB.value << 20,
                     unroll=UNROLL.value, greedy=greedy, gate_margin=GATE_MARGIN.value,
                     decay_tolerance=DECAY_TOLERANCE.value)

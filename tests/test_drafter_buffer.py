@@ -217,6 +217,35 @@ def test_replay_draws_the_long_windows_of_several_earlier_steps():
   assert {t // 10 for t in tokens} == {2, 3, 4}        # steps 1 and 2 replayed, and 3
 
 
+def test_long_responses_received_from_another_replica_are_replayed_not_reshared():
+  config = buffer_lib.BufferConfig(seq_len=32, batch_rows=64, context=8, previous_ratio=0.5,
+                                   long_quantile=0.5, heldout_fraction=0.25, replay_steps=2)
+  mine, theirs = buffer_lib.OnlineBuffer(config), buffer_lib.OnlineBuffer(config)
+  _fill(mine, 1, _fake(4, seed=1, first_token=3, lengths=(2, 6)))       # short answers
+  _fill(theirs, 1, _fake(8, seed=2, first_token=30, lengths=(20, 60)))  # the tail's
+  sent = theirs.own_long(1, max_bytes=1 << 30)
+  long_markers = {int(t) for t in sent["tokens"]}
+  held = {30 + i for i in range(8) if buffer_lib.is_heldout(i, config.heldout_fraction)}
+  assert len(sent["length"]) == 3 and not long_markers & held    # 3 of 6 training ones
+  assert list(sent["response_len"]) == sorted(sent["response_len"], reverse=True)
+  first = theirs.own_long(1, max_bytes=int(sent["length"][0]) * (4 + 4 * 4))
+  assert len(first["length"]) == 1                     # the longest alone fits the bound
+  before, own = mine.trainable_slots(2), mine.own_long(1, 1 << 30)
+  mine.add_received(sent)
+  assert mine.trainable_slots(2) > before
+  assert mine.trainable_slots(1) == sum(                # never the current step's ...
+      buffer_lib._slots(w) for w in mine._windows(1, heldout=False))
+  _assert_trees_equal(mine.own_long(1, 1 << 30), own)   # ... nor shared again
+  drawn = set()
+  for _ in range(10):
+    batch = mine.batch(2)
+    drawn |= set(batch.rows.tokens[batch.rows.loss_mask > 0].tolist())
+  assert long_markers <= drawn                          # every received one replayed
+  again = buffer_lib.OnlineBuffer(config)               # and kept by a checkpoint
+  again.load_state_dict(*mine.state_dict())
+  _assert_batches_equal(again.batch(2), mine.batch(2))
+
+
 def test_heldout_windows_are_never_drawn_for_training():
   buffer = buffer_lib.OnlineBuffer(BUFFER)
   _fill(buffer, 0, _fake(20, seed=1, first_token=3))

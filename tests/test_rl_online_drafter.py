@@ -47,8 +47,10 @@ def test_the_first_replica_trains_the_drafter_while_the_straggler_decodes(
                                                    record["drafter/train_spans"]) + 0.5
   assert record["drafter/candidate_steps"] >= record["drafter/train_steps"]
   assert record["drafter/heldout_accept_candidate"] >= 0 and record["drafter/deployed"] in (0, 1)
-  # The buffer holds both steps' responses.
+  # The buffer holds both steps' responses, and the other replica's long ones.
   assert record["drafter/buffer_bytes"] > records[0]["drafter/buffer_bytes"] > 0
+  assert all(r["drafter/shared_sequences"] > 0 and r["drafter/shared_bytes"] > 0
+             for r in records), records
 
   # Resume: each replica continues its own drafter checkpoint of step 2 (the candidate's
   # optimizer step count goes on from step 2's instead of starting over).

@@ -243,3 +243,56 @@ def test_idle_metrics_of_several_rounds_combine_into_the_jobs():
   untrained = combine_rounds([{**first, "drafter/train_steps": 0, "drafter/loss": 9.0}, last])
   assert np.isnan(untrained["drafter/loss"])
   assert combine_rounds([last]) == last
+
+
+class _Threads:
+  """`spot_trainer.Collective` between replicas that are threads of one process."""
+
+  def __init__(self, shared: list, barrier, index: int):
+    self.shared, self.barrier, self.index = shared, barrier, index
+
+  def allgather(self, arrays):
+    self.shared[self.index] = arrays
+    self.barrier.wait()
+    copies = list(self.shared)
+    self.barrier.wait()          # every replica has read before the next call writes
+    return copies
+
+
+def test_every_replica_receives_the_others_long_responses_bit_for_bit(target):
+  import threading
+  shared, barrier = [None, None], threading.Barrier(2, timeout=60)
+  spots = [_trainer() for _ in range(2)]
+  for i, spot in enumerate(spots):
+    spot.collective = _Threads(shared, barrier, i)
+    rollout = _rollout(target, 10 + i, 6 + 6 * i)   # hidden states travel as bytes
+    spot.observe(3, [(p, r, h.astype(jnp.bfloat16)) for p, r, h in rollout])
+  sent = [spot.buffer.own_long(3, 1 << 30) for spot in spots]
+  before = [spot.buffer.trainable_slots(4) for spot in spots]
+  metrics = [None, None]
+  threads = [threading.Thread(target=lambda i=i: metrics.__setitem__(i, spots[i].share_long(3)))
+             for i in range(2)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert metrics[0]["drafter/shared_sequences"] == sum(len(s["length"]) for s in sent) > 2
+  assert metrics[0]["drafter/shared_sequences"] == metrics[1]["drafter/shared_sequences"]
+  for i, spot in enumerate(spots):
+    received = [s for seqs in spot.buffer._steps.values() for s in seqs if s.received]
+    other = sent[1 - i]
+    assert len(received) == len(other["length"])
+    np.testing.assert_array_equal(np.concatenate([s.tokens for s in received]),
+                                  other["tokens"])
+    got = np.concatenate([s.hidden for s in received])
+    assert got.dtype == other["hidden"].dtype
+    np.testing.assert_array_equal(got.view(np.uint8), other["hidden"].view(np.uint8))
+    assert spot.buffer.trainable_slots(4) > before[i]
+
+
+def test_sharing_off_moves_nothing(target):
+  spot = _trainer(share_bytes=0)
+  spot.observe(1, _rollout(target, 1, 4))
+  assert spot.share_long(1) == {}
+  with pytest.raises(UserInputError, match="drafter_share_mib"):
+    _trainer(share_bytes=-1)

@@ -107,6 +107,7 @@ class _Sequence:
   first_slot: int           # first trained slot, in stored coordinates
   response_len: int
   heldout: bool
+  received: bool = False    # another replica's long response (`add_received`)
 
   @property
   def nbytes(self) -> int:
@@ -267,18 +268,49 @@ class OnlineBuffer:
     return batches
 
   def _windows(self, step: int, heldout: bool) -> list[_Window]:
-    return [(s, *bounds) for s in self._steps.get(step, []) if s.heldout == heldout
-            for bounds in self._bounds(s)]
+    """This replica's own training (or held-out) windows of `step`."""
+    return [(s, *bounds) for s in self._steps.get(step, [])
+            if s.heldout == heldout and not s.received for bounds in self._bounds(s)]
 
   def _long_windows(self, step: int) -> list[_Window]:
-    """Training windows of the sequences of `step` at least the long_quantile quantile long."""
-    sequences = [s for s in self._steps.get(step, []) if not s.heldout]
-    if not sequences:
-      return []
-    threshold = np.quantile([s.response_len for s in sequences], self.config.long_quantile,
-                            method="higher")
-    return [(s, *bounds) for s in sequences if s.response_len >= threshold
-            for bounds in self._bounds(s)]
+    """Training windows of `step`'s long sequences: this replica's own at least the
+    long_quantile quantile of their lengths long, and every received one (another
+    replica's long ones)."""
+    return [(s, *bounds) for s in self._long_sequences(step) for bounds in self._bounds(s)]
+
+  def _long_sequences(self, step: int) -> list[_Sequence]:
+    sequences = self._steps.get(step, [])
+    own = [s for s in sequences if not s.heldout and not s.received]
+    threshold = (np.quantile([s.response_len for s in own], self.config.long_quantile,
+                             method="higher") if own else 0)
+    return [s for s in sequences
+            if s.received or (not s.heldout and s.response_len >= threshold)]
+
+  # ---- sharing between replicas -----------------------------------------------------
+
+  def own_long(self, step: int, max_bytes: int) -> dict[str, np.ndarray]:
+    """This replica's own long sequences of `step` (those `batch` replays), longest first
+    while their bytes fit in `max_bytes`, as arrays for another replica's `add_received`."""
+    with self._lock:
+      own = [s for s in self._long_sequences(step) if not s.received]
+    chosen, size = [], 0
+    for s in sorted(own, key=lambda s: (-s.response_len, s.index)):
+      if size + s.nbytes <= max_bytes:
+        chosen.append(s)
+        size += s.nbytes
+    return _sequence_arrays(chosen)
+
+  def add_received(self, arrays: dict[str, np.ndarray]) -> None:
+    """Stores what another replica's `own_long` returned: drawn by later steps as long
+    windows of their step, never as the current step's, never held out or shared again."""
+    sequences = _sequences_from_arrays(arrays)
+    with self._lock:
+      for s in sequences:
+        if s.step < max(self._steps, default=s.step) - self.config.replay_steps:
+          self._counts["expired_sequences"] += 1
+          continue
+        self._check_hidden(s.hidden)
+        self._insert(dataclasses.replace(s, heldout=False, received=True))
 
   def _bounds(self, sequence: _Sequence) -> list[tuple[int, int, int]]:
     return window_bounds(len(sequence.tokens), sequence.first_slot, self.config.seq_len,
@@ -394,7 +426,7 @@ def _hidden_kind(windows: list[_Window]) -> tuple[int, np.dtype]:
   return hidden.shape[1], hidden.dtype
 
 
-_FIELDS = ("step", "index", "first_slot", "response_len", "heldout")
+_FIELDS = ("step", "index", "first_slot", "response_len", "heldout", "received")
 
 
 def _sequence_arrays(sequences: list[_Sequence]) -> dict[str, np.ndarray]:
@@ -411,8 +443,9 @@ def _sequences_from_arrays(arrays: dict[str, np.ndarray]) -> list[_Sequence]:
   sequences = []
   for i, end in enumerate(ends):
     start = end - arrays["length"][i]
-    values = {name: int(arrays[name][i]) for name in _FIELDS}
+    values = {name: int(arrays[name][i]) for name in _FIELDS if name in arrays}
     values["heldout"] = bool(values["heldout"])
+    values["received"] = bool(values.get("received", 0))   # absent in older buffers
     sequences.append(_Sequence(tokens=_frozen(arrays["tokens"][start:end]),
                                hidden=_frozen(arrays["hidden"][start:end]), **values))
   return sequences

@@ -6,10 +6,10 @@ responses and their hidden states go into the replica's buffer; the replica coun
 finished (BUSY -> IDLE); unless it was the last, it scores the drafters for the deploy gate
 on its held-out windows, then trains the drafter (TRAINING), until the last replica's
 increment publishes rollout-done, which a watcher thread turns into the event read between
-drafter calls. `at_step_end` runs on every replica after the rollouts are gathered: the
-deploy gate decides from the scores whether the rollout's drafter changes, and the
-replicas' drafters are averaged into the next candidate; it also reports the step's idle
-metrics for the whole job: every replica's rounds, gathered and combined
+drafter calls. `at_step_end` runs on every replica after the rollouts are gathered: each
+replica's long responses go to every other replica's buffer, the deploy gate decides from
+the scores whether the rollout's drafter changes, and the replicas' drafters are averaged
+into the next candidate; it also reports the step's idle metrics for the whole job: every replica's rounds, gathered and combined
 (`combine_rounds`), whichever replica finished first. Each rollout round (a step, or a
 step's extra DAPO draw) has its own control keys.
 
@@ -40,6 +40,10 @@ ROUNDS_PER_STEP = 1000   # control-plane round ids: step * ROUNDS_PER_STEP + dra
 
 class AllProcesses:
   """`spot_trainer.Collective` over every process of the job."""
+
+  @property
+  def index(self) -> int:
+    return jax.process_index()
 
   def allgather(self, arrays: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
     stacked = collectives.allgather(arrays)
@@ -137,13 +141,16 @@ class IdleDrafter:
             "drafter/preempt_latency_s": max(0.0, time.perf_counter() - done_at),
             "drafter/train_spans": [(s - finished, e - finished) for s, e in report.spans]}
 
-  def at_step_end(self, accept_len: float | None) -> tuple[DraftWeights, dict[str, Any]]:
-    """Gate on this step's scores, then sync every replica's drafter; (the drafter the next
-    rollout uses, metrics: the step's idle figures summed over every replica's rounds).
+  def at_step_end(self, step: int, accept_len: float | None
+                  ) -> tuple[DraftWeights, dict[str, Any]]:
+    """Share the step's long responses between replicas, gate on this step's scores, then
+    sync every replica's drafter; (the drafter the next rollout uses, metrics: the step's
+    idle figures summed over every replica's rounds).
     accept_len: the step's measured accept length (the same on every replica)."""
     self.accept_len = accept_len
     own, self.round_metrics = combine_rounds(self.round_metrics), []
     metrics = combine_rounds(collectives.allgather_json(own))
+    metrics.update(self.spot.share_long(step))
     metrics["drafter/buffer_bytes"] = self.spot.buffer.stats()["bytes"]
     metrics.update(self.spot.gate())   # collectives: every replica is past its rounds
     self.spot.sync(self.steps_trained)

@@ -112,7 +112,7 @@ class Learner:
     scored = self.collect_groups(step, record)                     # rollout + rewards
     if self.idle_drafter is not None:                              # drafter gate + sync
       self.drafter, drafter_metrics = self.idle_drafter.at_step_end(
-          record.get("spec/accept_len"))
+          step, record.get("spec/accept_len"))
       record.update(drafter_metrics)
     self.rollout_params = None    # the sync below lays the updated params out afresh
     group_size = self.rollout.group_size

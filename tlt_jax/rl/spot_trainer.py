@@ -30,6 +30,11 @@ Per replica and RL step:
    leaves (step counts) come from the replica that trained most. The average is formed on
    every process from the gathered copies in process order, so every replica holds the
    same bits.
+6. `share_long`, at the step end too: each replica's own long responses of the step, with
+   their hidden states, go to every other replica's buffer, for later steps to replay
+   beside their own (the one-step offset, job-wide). The long tail's responses are on the
+   replica that decoded them, the last to finish; the replica the tail leaves idle holds
+   the short ones, and would otherwise train on those alone and run out of data first.
 With `train="on_decay"` training waits until the deployed drafter's measured accept length
 decays.
 
@@ -76,6 +81,9 @@ class SpotConfig:
   # Passes over the RL step's trainable slots, at most: a replica whose buffer holds a few
   # responses fits them within a few steps, and more steps only overfit them.
   max_epochs: float = 2.0
+  # Each replica's own long responses of a step, at most this many bytes of tokens and
+  # hidden states, go to every other replica's buffer at the step end (`share_long`).
+  share_bytes: int = 64 << 20
   unroll: int = 2                  # loss passes; also the chain depth the gate scores
   greedy: bool = False             # gate on top-1 agreement (greedy rollouts) or sampling
   gate_margin: float = 0.0
@@ -89,15 +97,21 @@ class SpotConfig:
       raise UserInputError("--drafter_max_steps and --drafter_unroll: must be >= 1")
     if self.max_epochs <= 0:
       raise UserInputError(f"--drafter_max_epochs={self.max_epochs}: must be > 0")
+    if self.share_bytes < 0:
+      raise UserInputError(f"--drafter_share_mib: must be >= 0 (got {self.share_bytes} B)")
 
 
 class Collective(Protocol):
-  """Gathers host arrays from every process, in process order (each gets every copy)."""
+  """Gathers host arrays from every process, in process order (each gets every copy);
+  `index` is this process's place in that order."""
+  index: int
 
   def allgather(self, arrays: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]: ...
 
 
 class OneProcess:
+  index = 0
+
   def allgather(self, arrays: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
     return [arrays]
 
@@ -134,6 +148,22 @@ def _host_copy(tree):
 def _on_device(tree):
   """Device arrays of a `_host_copy` (the last synced candidate, kept on the host)."""
   return jax.tree.map(jnp.asarray, tree)
+
+
+def _padded(a: np.ndarray, n: int) -> np.ndarray:
+  """`a` with zero rows appended up to `n` rows."""
+  return np.concatenate([a, np.zeros((n - len(a), *a.shape[1:]), a.dtype)])
+
+
+def _unpadded(size: dict[str, np.ndarray], copy: dict[str, np.ndarray]
+              ) -> dict[str, np.ndarray]:
+  """One replica's `OnlineBuffer.own_long` arrays back from `share_long`'s padded copy."""
+  n, tokens = int(size["n"]), int(size["tokens"])
+  dtype = np.dtype(size["dtype"].tobytes().decode().strip())
+  out = {k: v[:n] for k, v in copy.items() if k not in ("tokens", "hidden")}
+  out["tokens"] = copy["tokens"][:tokens]
+  out["hidden"] = copy["hidden"][:int(size["hidden"])].view(dtype).reshape(tokens, -1)
+  return out
 
 
 class SpotTrainer:
@@ -223,6 +253,36 @@ class SpotTrainer:
     self.state = _on_device(self._synced)
     self._candidate_round += 1
     return True
+
+  def share_long(self, step: int) -> dict[str, Any]:
+    """Every replica's own long responses of `step` into every other replica's buffer
+    (module doc): two collectives, the sizes and then the arrays padded to the largest."""
+    if self.config.share_bytes == 0:
+      return {}
+    began = time.perf_counter()
+    mine = self.buffer.own_long(step, self.config.share_bytes)
+    hidden = mine.pop("hidden")
+    sizes = self.collective.allgather(
+        {"n": np.asarray(len(mine["length"]), np.int64),
+         "tokens": np.asarray(len(mine["tokens"]), np.int64),
+         "hidden": np.asarray(hidden.nbytes, np.int64),
+         "dtype": np.frombuffer(hidden.dtype.name.ljust(16).encode(), np.uint8)})
+    if len(sizes) == 1:
+      return {}
+    top = {key: max(int(c[key]) for c in sizes) for key in ("n", "tokens", "hidden")}
+    top["tokens"] = -(-top["tokens"] // 1024) * 1024      # few shapes: few compiles
+    top["hidden"] = -(-top["hidden"] // (1 << 20)) * (1 << 20)
+    copies = self.collective.allgather(
+        {**{k: _padded(v, top["n"]) for k, v in mine.items() if k != "tokens"},
+         "tokens": _padded(mine["tokens"], top["tokens"]),
+         "hidden": _padded(hidden.reshape(-1).view(np.uint8), top["hidden"])})
+    for origin, (size, copy) in enumerate(zip(sizes, copies)):
+      if origin != self.collective.index and int(size["n"]):
+        self.buffer.add_received(_unpadded(size, copy))
+    return {"drafter/shared_sequences": sum(int(c["n"]) for c in sizes),
+            "drafter/shared_bytes": sum(int(c["tokens"]) * 4 + int(c["hidden"])
+                                        for c in sizes),
+            "timing/drafter_share_s": time.perf_counter() - began}
 
   def score(self, step: int, target_params: Params, stop: Callable[[], bool]) -> bool:
     """Scores the deployed drafter, the last synced candidate and the shipped drafter on
