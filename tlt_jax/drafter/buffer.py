@@ -19,7 +19,10 @@ finishers of the rollout in flight) and the previous steps' long ones (windows o
 sequences whose response length is at least the `long_quantile` quantile of their step's),
 from the `replay_steps` steps before `step`: the one-step offset (replay_steps=1), so the
 drafter, which serves the long tail, does not learn from short answers only; more steps give
-a replica that holds few responses a step more to learn from. Each pool is shuffled by an
+a replica that holds few responses a step more to learn from. Another replica's long
+responses, received at a step's end (`add_received`, what its `own_long` gave), are long
+windows of their step too: never the current pool, never held out, never shared again.
+Each pool is shuffled by an
 rng seeded with (seed, batches drawn so far). Windows are then drawn one at a time, from the
 previous pool while its share of the trained slots placed so far is below `previous_ratio`
 and from the current pool otherwise, and placed first fit into `batch_rows` rows of
