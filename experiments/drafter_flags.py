@@ -43,8 +43,9 @@ REPLAY_STEPS = flags.DEFINE_integer(
 SHARE_MIB = flags.DEFINE_integer(
     "drafter_share_mib", 64, "Online drafter: each replica's long responses of a step (tokens "
     "and hidden states), up to this many MiB, go to every other replica's buffer at the step "
-    "end, so the replica the tail leaves idle also trains on the tail's responses; 0: each "
-    "replica trains on its own only.", lower_bound=0)
+    "end, so the replica the tail leaves idle also trains on the tail's responses (what a "
+    "replica receives counts toward --drafter_buffer_mib); 0: each replica trains on its "
+    "own only.", lower_bound=0)
 HELDOUT = flags.DEFINE_float("drafter_heldout_fraction", 0.05, "Online drafter: share of each "
                              "step's responses the deploy gate scores on and training never "
                              "sees.")

@@ -230,12 +230,14 @@ def test_long_responses_received_from_another_replica_are_replayed_not_reshared(
   assert list(sent["response_len"]) == sorted(sent["response_len"], reverse=True)
   first = theirs.own_long(1, max_bytes=int(sent["length"][0]) * (4 + 4 * 4))
   assert len(first["length"]) == 1                     # the longest alone fits the bound
-  before, own = mine.trainable_slots(2), mine.own_long(1, 1 << 30)
+  before = (mine.trainable_slots(2), mine.trainable_slots(1), mine.own_long(1, 1 << 30),
+            mine.heldout(1))
   mine.add_received(sent)
-  assert mine.trainable_slots(2) > before
-  assert mine.trainable_slots(1) == sum(                # never the current step's ...
-      buffer_lib._slots(w) for w in mine._windows(1, heldout=False))
-  _assert_trees_equal(mine.own_long(1, 1 << 30), own)   # ... nor shared again
+  assert mine.trainable_slots(2) > before[0]
+  assert mine.trainable_slots(1) == before[1]           # never the current step's,
+  _assert_trees_equal(mine.own_long(1, 1 << 30), before[2])   # nor shared again,
+  for a, b in zip(mine.heldout(1), before[3], strict=True):   # nor held out
+    _assert_batches_equal(a, b)
   drawn = set()
   for _ in range(10):
     batch = mine.batch(2)
@@ -244,6 +246,11 @@ def test_long_responses_received_from_another_replica_are_replayed_not_reshared(
   again = buffer_lib.OnlineBuffer(config)               # and kept by a checkpoint
   again.load_state_dict(*mine.state_dict())
   _assert_batches_equal(again.batch(2), mine.batch(2))
+  meta, arrays = theirs.state_dict()                    # saved before `received` was
+  older = buffer_lib.OnlineBuffer(config)
+  older.load_state_dict(meta, {k: v for k, v in arrays.items() if k != "received"})
+  assert older.stats() == theirs.stats()
+  _assert_batches_equal(older.batch(2), theirs.batch(2))
 
 
 def test_heldout_windows_are_never_drawn_for_training():

@@ -1,5 +1,7 @@
 """The spot trainer's step: observe a rollout, train while idle until stopped, average the
 replicas' drafters by steps trained, deploy only what beats the deployed drafter."""
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -247,6 +249,7 @@ def test_idle_metrics_of_several_rounds_combine_into_the_jobs():
 
 class _Threads:
   """`spot_trainer.Collective` between replicas that are threads of one process."""
+  processes = 2
 
   def __init__(self, shared: list, barrier, index: int):
     self.shared, self.barrier, self.index = shared, barrier, index
@@ -259,27 +262,43 @@ class _Threads:
     return copies
 
 
-def test_every_replica_receives_the_others_long_responses_bit_for_bit(target):
-  import threading
+def _replicas(target, counts, **overrides):
+  """Two spot trainers joined by `_Threads`, replica i holding `counts[i]` responses of
+  step 3 (hidden states in bfloat16: they travel as bytes)."""
   shared, barrier = [None, None], threading.Barrier(2, timeout=60)
-  spots = [_trainer() for _ in range(2)]
-  for i, spot in enumerate(spots):
+  spots = [_trainer(**overrides) for _ in counts]
+  for i, (spot, count) in enumerate(zip(spots, counts)):
     spot.collective = _Threads(shared, barrier, i)
-    rollout = _rollout(target, 10 + i, 6 + 6 * i)   # hidden states travel as bytes
+    rollout = _rollout(target, 10 + i, count)
     spot.observe(3, [(p, r, h.astype(jnp.bfloat16)) for p, r, h in rollout])
-  sent = [spot.buffer.own_long(3, 1 << 30) for spot in spots]
-  before = [spot.buffer.trainable_slots(4) for spot in spots]
-  metrics = [None, None]
-  threads = [threading.Thread(target=lambda i=i: metrics.__setitem__(i, spots[i].share_long(3)))
-             for i in range(2)]
+  return spots
+
+
+def _share(spots, step):
+  """Each replica's `share_long(step)` on its own thread; their metrics."""
+  metrics = [None] * len(spots)
+  threads = [threading.Thread(target=lambda i=i: metrics.__setitem__(i, spots[i].share_long(step)))
+             for i in range(len(spots))]
   for t in threads:
     t.start()
   for t in threads:
     t.join()
+  return metrics
+
+
+def _received(spot):
+  return [s for seqs in spot.buffer._steps.values() for s in seqs if s.received]
+
+
+def test_every_replica_receives_the_others_long_responses_bit_for_bit(target):
+  spots = _replicas(target, (6, 12))
+  sent = [spot.buffer.own_long(3, 1 << 30) for spot in spots]
+  before = [spot.buffer.trainable_slots(4) for spot in spots]
+  metrics = _share(spots, 3)
   assert metrics[0]["drafter/shared_sequences"] == sum(len(s["length"]) for s in sent) > 2
   assert metrics[0]["drafter/shared_sequences"] == metrics[1]["drafter/shared_sequences"]
   for i, spot in enumerate(spots):
-    received = [s for seqs in spot.buffer._steps.values() for s in seqs if s.received]
+    received = _received(spot)
     other = sent[1 - i]
     assert len(received) == len(other["length"])
     np.testing.assert_array_equal(np.concatenate([s.tokens for s in received]),
@@ -290,9 +309,18 @@ def test_every_replica_receives_the_others_long_responses_bit_for_bit(target):
     assert spot.buffer.trainable_slots(4) > before[i]
 
 
+def test_a_replica_with_nothing_long_only_receives(target):
+  spots = _replicas(target, (0, 8))
+  metrics = _share(spots, 3)
+  assert len(_received(spots[0])) == metrics[0]["drafter/shared_sequences"] > 0
+  assert not _received(spots[1])
+  assert _share(_replicas(target, (0, 0)), 3) == [{"drafter/shared_sequences": 0,
+                                                   "drafter/shared_bytes": 0}] * 2
+
+
 def test_sharing_off_moves_nothing(target):
-  spot = _trainer(share_bytes=0)
-  spot.observe(1, _rollout(target, 1, 4))
-  assert spot.share_long(1) == {}
+  spots = _replicas(target, (6, 6), share_bytes=0)
+  assert _share(spots, 3) == [{}, {}]
+  assert not _received(spots[0]) and not _received(spots[1])
   with pytest.raises(UserInputError, match="drafter_share_mib"):
     _trainer(share_bytes=-1)

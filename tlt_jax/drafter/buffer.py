@@ -21,9 +21,9 @@ from the `replay_steps` steps before `step`: the one-step offset (replay_steps=1
 drafter, which serves the long tail, does not learn from short answers only; more steps give
 a replica that holds few responses a step more to learn from. Another replica's long
 responses, received at a step's end (`add_received`, what its `own_long` gave), are long
-windows of their step too: never the current pool, never held out, never shared again.
-Each pool is shuffled by an
-rng seeded with (seed, batches drawn so far). Windows are then drawn one at a time, from the
+windows of their step too: never the current pool, never held out, never shared again
+(they count toward `max_bytes`). Each pool is shuffled by an rng seeded with (seed,
+batches drawn so far). Windows are then drawn one at a time, from the
 previous pool while its share of the trained slots placed so far is below `previous_ratio`
 and from the current pool otherwise, and placed first fit into `batch_rows` rows of
 `seq_len` tokens; a window that fits nowhere is dropped from this batch. When one pool runs

@@ -9,8 +9,9 @@ increment publishes rollout-done, which a watcher thread turns into the event re
 drafter calls. `at_step_end` runs on every replica after the rollouts are gathered: each
 replica's long responses go to every other replica's buffer, the deploy gate decides from
 the scores whether the rollout's drafter changes, and the replicas' drafters are averaged
-into the next candidate; it also reports the step's idle metrics for the whole job: every replica's rounds, gathered and combined
-(`combine_rounds`), whichever replica finished first. Each rollout round (a step, or a
+into the next candidate; it also reports the step's idle metrics for the whole job:
+every replica's rounds, gathered and combined (`combine_rounds`), whichever replica
+finished first. Each rollout round (a step, or a
 step's extra DAPO draw) has its own control keys.
 
 `save` / `restore` keep what resuming needs beside the run's checkpoint: each replica writes
@@ -44,6 +45,10 @@ class AllProcesses:
   @property
   def index(self) -> int:
     return jax.process_index()
+
+  @property
+  def processes(self) -> int:
+    return jax.process_count()
 
   def allgather(self, arrays: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
     stacked = collectives.allgather(arrays)

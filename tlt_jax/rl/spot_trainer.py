@@ -103,14 +103,15 @@ class SpotConfig:
 
 class Collective(Protocol):
   """Gathers host arrays from every process, in process order (each gets every copy);
-  `index` is this process's place in that order."""
+  `index` is this process's place in that order, `processes` their number."""
   index: int
+  processes: int
 
   def allgather(self, arrays: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]: ...
 
 
 class OneProcess:
-  index = 0
+  index, processes = 0, 1
 
   def allgather(self, arrays: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
     return [arrays]
@@ -148,6 +149,10 @@ def _host_copy(tree):
 def _on_device(tree):
   """Device arrays of a `_host_copy` (the last synced candidate, kept on the host)."""
   return jax.tree.map(jnp.asarray, tree)
+
+
+def _round_up(n: int, unit: int) -> int:
+  return -(-n // unit) * unit
 
 
 def _padded(a: np.ndarray, n: int) -> np.ndarray:
@@ -256,8 +261,9 @@ class SpotTrainer:
 
   def share_long(self, step: int) -> dict[str, Any]:
     """Every replica's own long responses of `step` into every other replica's buffer
-    (module doc): two collectives, the sizes and then the arrays padded to the largest."""
-    if self.config.share_bytes == 0:
+    (module doc): two collectives, the sizes and then the arrays padded to the largest;
+    metrics count what every replica sent."""
+    if self.config.share_bytes == 0 or self.collective.processes == 1:
       return {}
     began = time.perf_counter()
     mine = self.buffer.own_long(step, self.config.share_bytes)
@@ -267,11 +273,14 @@ class SpotTrainer:
          "tokens": np.asarray(len(mine["tokens"]), np.int64),
          "hidden": np.asarray(hidden.nbytes, np.int64),
          "dtype": np.frombuffer(hidden.dtype.name.ljust(16).encode(), np.uint8)})
-    if len(sizes) == 1:
-      return {}
-    top = {key: max(int(c[key]) for c in sizes) for key in ("n", "tokens", "hidden")}
-    top["tokens"] = -(-top["tokens"] // 1024) * 1024      # few shapes: few compiles
-    top["hidden"] = -(-top["hidden"] // (1 << 20)) * (1 << 20)
+    metrics = {"drafter/shared_sequences": sum(int(c["n"]) for c in sizes),
+               "drafter/shared_bytes": sum(int(c["tokens"]) * 4 + int(c["hidden"])
+                                           for c in sizes)}
+    if metrics["drafter/shared_sequences"] == 0:
+      return metrics
+    # Sizes rounded up: few distinct shapes, so the gather compiles a few programs.
+    top = {key: _round_up(max(int(c[key]) for c in sizes), unit)
+           for key, unit in (("n", 16), ("tokens", 1024), ("hidden", 1 << 20))}
     copies = self.collective.allgather(
         {**{k: _padded(v, top["n"]) for k, v in mine.items() if k != "tokens"},
          "tokens": _padded(mine["tokens"], top["tokens"]),
@@ -279,10 +288,7 @@ class SpotTrainer:
     for origin, (size, copy) in enumerate(zip(sizes, copies)):
       if origin != self.collective.index and int(size["n"]):
         self.buffer.add_received(_unpadded(size, copy))
-    return {"drafter/shared_sequences": sum(int(c["n"]) for c in sizes),
-            "drafter/shared_bytes": sum(int(c["tokens"]) * 4 + int(c["hidden"])
-                                        for c in sizes),
-            "timing/drafter_share_s": time.perf_counter() - began}
+    return {**metrics, "timing/drafter_share_s": time.perf_counter() - began}
 
   def score(self, step: int, target_params: Params, stop: Callable[[], bool]) -> bool:
     """Scores the deployed drafter, the last synced candidate and the shipped drafter on
