@@ -258,10 +258,10 @@ def check(plan: MemoryPlan) -> None:
   if plan.train_peak() > have:
     flag = ("--remat" if not shape.remat and plan.train_peak(True) <= have else
             f"--micro_batch_rows={shape.micro_batch_rows}")
+    activations = plan.activations["remat" if shape.remat else "no_remat"]
     raise UserInputError(
         f"{flag}: the update needs {gib(plan.train_peak())} per device (gradients "
-        f"{gib(plan.grads)}, activations {gib(plan.activations['remat' if shape.remat else 'no_remat'])}) "
-        f"of {gib(have)}")
+        f"{gib(plan.grads)}, activations {gib(activations)}) of {gib(have)}")
   if plan.max_rows < 1 or plan.rollout_peak > have:
     room = have - (plan.rollout_peak - plan.kv_cache)
     fits = rows_within(max(room, 0), plan.per_row, plan.row_shards)
