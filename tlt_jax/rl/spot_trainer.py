@@ -63,6 +63,7 @@ from tlt_jax.drafter.trainer import TrainState, init_train_state
 from tlt_jax.errors import UserInputError
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.transformer import Params
+from tlt_jax.rollout.buckets import round_up
 from tlt_jax.rollout.weights import DraftWeights
 
 TRAIN_MODES = ("always", "on_decay")
@@ -149,10 +150,6 @@ def _host_copy(tree):
 def _on_device(tree):
   """Device arrays of a `_host_copy` (the last synced candidate, kept on the host)."""
   return jax.tree.map(jnp.asarray, tree)
-
-
-def _round_up(n: int, unit: int) -> int:
-  return -(-n // unit) * unit
 
 
 def _padded(a: np.ndarray, n: int) -> np.ndarray:
@@ -279,7 +276,7 @@ class SpotTrainer:
     if metrics["drafter/shared_sequences"] == 0:
       return metrics
     # Sizes rounded up: few distinct shapes, so the gather compiles a few programs.
-    top = {key: _round_up(max(int(c[key]) for c in sizes), unit)
+    top = {key: round_up(max(int(c[key]) for c in sizes), unit)
            for key, unit in (("n", 16), ("tokens", 1024), ("hidden", 1 << 20))}
     copies = self.collective.allgather(
         {**{k: _padded(v, top["n"]) for k, v in mine.items() if k != "tokens"},
