@@ -23,13 +23,13 @@ a replica that holds few responses a step more to learn from. Another replica's 
 responses, received at a step's end (`add_received`, what its `own_long` gave), are long
 windows of their step too: never the current pool, never held out, never shared again
 (they count toward `max_bytes`). Each pool is shuffled by an rng seeded with (seed,
-batches drawn so far). Windows are then drawn one at a time, from the
-previous pool while its share of the trained slots placed so far is below `previous_ratio`
-and from the current pool otherwise, and placed first fit into `batch_rows` rows of
-`seq_len` tokens; a window that fits nowhere is dropped from this batch. When one pool runs
-out the other fills the rest; a ratio of 0 or 1 draws from one pool only, unless it is
-empty. No window is used twice in a batch. Samples stay apart in the rows (segment ids,
-positions restarting at 0) and only response slots carry loss.
+batches drawn so far). Windows are then drawn one at a time, from the previous pool while
+its share of the trained slots placed so far is below `previous_ratio` and from the
+current pool otherwise, and placed first fit into `batch_rows` rows of `seq_len` tokens;
+a window that fits nowhere is dropped from this batch. When one pool runs out the other
+fills the rest; a ratio of 0 or 1 draws from one pool only, unless it is empty. No window
+is used twice in a batch. Samples stay apart in the rows (segment ids, positions restarting
+at 0) and only response slots carry loss.
 
 Held out: sequence i of a step (in add order) is held out when
 floor((i + 1) * heldout_fraction) > floor(i * heldout_fraction), an exact, even spread.

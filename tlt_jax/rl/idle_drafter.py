@@ -11,8 +11,8 @@ replica's long responses go to every other replica's buffer, the deploy gate dec
 the scores whether the rollout's drafter changes, and the replicas' drafters are averaged
 into the next candidate; it also reports the step's idle metrics for the whole job:
 every replica's rounds, gathered and combined (`combine_rounds`), whichever replica
-finished first. Each rollout round (a step, or a
-step's extra DAPO draw) has its own control keys.
+finished first. Each rollout round (a step, or a step's extra DAPO draw) has its own
+control keys.
 
 `save` / `restore` keep what resuming needs beside the run's checkpoint: each replica writes
 its own drafter checkpoint (candidate and deployed drafter, optimizer state, its own online
@@ -48,11 +48,11 @@ class AllProcesses:
 
   @property
   def processes(self) -> int:
-    return jax.process_count()
+    return collectives.process_count()
 
   def allgather(self, arrays: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
     stacked = collectives.allgather(arrays)
-    return [{k: v[i] for k, v in stacked.items()} for i in range(collectives.process_count())]
+    return [{k: v[i] for k, v in stacked.items()} for i in range(self.processes)]
 
 
 def combine_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
