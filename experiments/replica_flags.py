@@ -9,9 +9,10 @@ from absl import flags
 from tlt_jax.runtime.processes import ProcessPlan, Processes
 
 _REPLICAS = flags.DEFINE_integer("replicas", 1, "Rollout replicas, one process each. On one "
-                                 "host, process 0 launches the others and joins them; in a "
-                                 "multi-host job it must equal the job's process count (or "
-                                 "stay 1).")
+                                 "host, process 0 launches the others and joins them, each "
+                                 "on its own core (CPU) or an even share of the host's GPUs; "
+                                 "in a multi-host job it must equal the job's process count "
+                                 "(or stay 1).")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of "
                                    "process 0's coordination service (with --num_processes "
                                    "and --process_id).")

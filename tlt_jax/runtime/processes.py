@@ -19,8 +19,12 @@ own fatal abort of every survivor (a page of logs) does not race the supervisor'
 joined multi-host job keeps JAX's defaults: a dead peer ends the others through the
 service's heartbeats (bounded by its timeout).
 
-On CPU each launched process is pinned to one core (`os.sched_setaffinity`) before jax is
-imported, so replicas do not contend for cores through their thread pools.
+Devices. On CPU each launched process is pinned to one core (`os.sched_setaffinity`) before
+jax is imported, so replicas do not contend for cores through their thread pools. On a GPU
+host each launched process gets its own group of the host's GPUs (`jax.distributed`'s
+`local_device_ids`), the GPUs split evenly in order: without it every process would claim
+every GPU. A joined job says its own (JAX's Slurm and Open MPI detection: one GPU per task;
+explicit processes on one host: JAX_LOCAL_DEVICE_IDS).
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import dataclasses
 import importlib.metadata
 import importlib.util
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -89,14 +94,42 @@ def free_local_port() -> int:
     return s.getsockname()[1]
 
 
-def accelerator_expected() -> bool:
-  """Whether JAX will pick an accelerator: JAX_PLATFORMS names one, or (unset) a GPU/TPU
-  plugin is installed. Decided before jax is imported, which is when pinning must happen."""
+def accelerator_platform() -> str:
+  """"cpu", "gpu" or "tpu": what JAX will pick, decided before jax is imported (when pinning
+  and device groups must be set): JAX_PLATFORMS's first entry, or (unset) an installed GPU or
+  TPU plugin."""
   platforms = os.environ.get("JAX_PLATFORMS", "")
   if platforms:
-    return platforms.split(",")[0].strip() != "cpu"
-  plugins = importlib.metadata.entry_points(group="jax_plugins")
-  return bool(list(plugins)) or importlib.util.find_spec("libtpu") is not None
+    first = platforms.split(",")[0].strip().lower()
+    return {"cuda": "gpu", "rocm": "gpu"}.get(first, first)
+  if importlib.util.find_spec("libtpu") is not None:
+    return "tpu"
+  plugins = [f"{p.name} {p.value}".lower() for p in importlib.metadata.entry_points(
+      group="jax_plugins")]
+  if any("cuda" in p or "rocm" in p for p in plugins):
+    return "gpu"
+  return "tpu" if any("tpu" in p for p in plugins) else "cpu"
+
+
+def local_gpu_count() -> int:
+  """The GPUs this host lets this process use, counted without starting CUDA:
+  CUDA_VISIBLE_DEVICES's entries, or else the /dev/nvidiaN device files."""
+  visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+  if visible is not None:
+    return len([d for d in visible.split(",") if d.strip()])
+  return len([f for f in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", f)]
+             ) if os.path.isdir("/dev") else 0
+
+
+def device_group(index: int, replicas: int, gpus: int) -> list[int]:
+  """Replica `index`'s GPUs (ids among the visible ones) when `replicas` processes on one
+  host split its `gpus` GPUs evenly, in order."""
+  if gpus < replicas or gpus % replicas:
+    raise UserInputError(f"--replicas={replicas}: this host's {gpus} GPU(s) do not split "
+                         f"evenly into one group per replica (CUDA_VISIBLE_DEVICES picks "
+                         f"which GPUs the run may use)")
+  size = gpus // replicas
+  return list(range(index * size, (index + 1) * size))
 
 
 def pin_to_core(index: int) -> int:
@@ -131,27 +164,35 @@ class Processes:
   # ---- start ----------------------------------------------------------------------------
 
   def start(self) -> "Processes":
-    """Launches the children (launch mode), pins to a core (local CPU), and joins
-    jax.distributed; call before anything imports jax."""
+    """Launches the children (launch mode), claims this process's local devices (a core on
+    CPU, a group of GPUs), and joins jax.distributed; call before anything imports jax."""
     plan = self.plan
     plan.check()
     if plan.mode == "single":
       return self
-    pin = plan.mode == "launch" or os.environ.get(LAUNCHER_FD_ENV)
+    local = plan.mode == "launch" or os.environ.get(LAUNCHER_FD_ENV)
     if plan.mode == "launch":
-      address = f"127.0.0.1:{free_local_port()}"
-      self._launch_children(address)
-      kwargs = dict(coordinator_address=address, num_processes=plan.replicas, process_id=0)
+      kwargs = dict(coordinator_address=f"127.0.0.1:{free_local_port()}",
+                    num_processes=plan.replicas, process_id=0)
     elif plan.explicit:
       kwargs = dict(coordinator_address=plan.coordinator_address,
                     num_processes=plan.num_processes, process_id=plan.process_id)
     else:
       kwargs = {}
-    local = pin and not accelerator_expected()
-    if local:
-      pin_to_core(kwargs.get("process_id", 0))
+    platform = accelerator_platform() if local else None
+    if platform == "gpu":   # before any child starts, so a bad split fails once
+      kwargs["local_device_ids"] = self._gpu_group(kwargs["process_id"],
+                                                   kwargs["num_processes"])
+    elif platform not in (None, "cpu"):
+      raise UserInputError(f"--replicas={kwargs['num_processes']} on one {platform} host: "
+                           f"launch one process per host instead (--cluster=auto, or the "
+                           f"process flags)")
+    if plan.mode == "launch":
+      self._launch_children(kwargs["coordinator_address"])
+    if platform == "cpu":   # after the launch: children would inherit the pinning
+      pin_to_core(kwargs["process_id"])
     import jax
-    if pin:   # a local launch: the supervisor, not JAX's abort, reports a dead replica
+    if local:   # a local launch: the supervisor, not JAX's abort, reports a dead replica
       jax.config.update("jax_enable_recoverability", True)
     try:
       jax.distributed.initialize(**kwargs)
@@ -163,6 +204,17 @@ class Processes:
     if os.environ.get(LAUNCHER_FD_ENV):
       self._watch_launcher(int(os.environ[LAUNCHER_FD_ENV]))
     return self
+
+  @staticmethod
+  def _gpu_group(index: int, count: int) -> list[int]:
+    """A local launch on a GPU host: this process's group of its GPUs (process 0 says
+    every replica's)."""
+    gpus = local_gpu_count()
+    if index == 0:
+      groups = [device_group(i, count, gpus) for i in range(count)]
+      print(f"replicas: {count} processes on {gpus} GPUs, one group each: {groups}",
+            flush=True)
+    return device_group(index, count, gpus)
 
   def _launch_children(self, address: str) -> None:
     argv = [sys.executable, *sys.orig_argv[1:]]
