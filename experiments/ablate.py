@@ -224,13 +224,6 @@ def _values(records, key) -> list[float]:
   return [float(r[key]) for r in records if isinstance(r.get(key), (int, float))]
 
 
-def slowest_rollout_s(record: dict[str, Any]) -> float:
-  """The step's rollout seconds: the slowest replica's (with several), as the step waits
-  for it; `timing/rollout_s` is process 0's own."""
-  per_replica = record.get("rollout/replica_s")
-  return float(max(per_replica)) if per_replica else float(record["timing/rollout_s"])
-
-
 def summarize(history: Sequence[dict[str, Any]], tail_rows: int) -> dict[str, Any]:
   """One config's table row. Times are medians over the steps after the first (step 1
   compiles) when there are several; counts and idle seconds are sums over all steps; tail
@@ -242,11 +235,12 @@ def summarize(history: Sequence[dict[str, Any]], tail_rows: int) -> dict[str, An
   used, available = (sum(_values(steps, f"drafter/idle_device_s_{k}"))
                      for k in ("used", "available"))
   evals = [r for r in history if "val/accuracy" in r]
+  rollouts = [ablation_checks.slowest_rollout_s(r) for r in timed]
   return {
       "steps_done": steps[-1]["step"],
       "step_s": _median(_values(timed, "timing/step_s")),
-      "rollout_s": _median([slowest_rollout_s(r) for r in timed]),
-      "rollout_frac": _median([slowest_rollout_s(r) / r["timing/step_s"] for r in timed]),
+      "rollout_s": _median(rollouts),
+      "rollout_frac": _median([s / r["timing/step_s"] for s, r in zip(rollouts, timed)]),
       "tail_s": _median([t for r in timed
                          if (t := ablation_checks.tail_seconds(r, tail_rows)) is not None]),
       "accept_len": _median([v for v in _values(steps, "spec/accept_len") if v > 0]),
@@ -379,6 +373,8 @@ def run_checks(histories: dict[str, Any], rows: Sequence[dict[str, Any]], tail_r
     checks["idle_use"] = ablation_checks.idle_use(h["tlt"])
     if (paired := ablation_checks.heldout_gain(h["tlt"])) is not None:
       checks["heldout_gain"] = paired
+  if "baseline" in h:
+    checks["rollout_share"] = ablation_checks.rollout_share(h["baseline"])
   if {"baseline", "tlt"} <= h.keys():
     checks["losslessness"] = ablation_checks.losslessness(h["baseline"], h["tlt"])
   order = ablation_checks.accept_order({r["config"]: r.get("accept_len") for r in rows})
@@ -452,6 +448,13 @@ def checks_markdown(checks: dict[str, Any]) -> str:
                  f"{c['val_step']}: {c['val_correct']} of {c['val_prompts']} correct, Fisher "
                  f"p = {_num(c['val_fisher_p'], '.2f')}; step 0 (greedy) {c['val_step0']}: "
                  f"{verdict(c)}")
+  if "rollout_share" in checks:
+    c = checks["rollout_share"]
+    lines.append(f"- rollout share of a baseline step (the slowest replica's; median of "
+                 f"{c['steps']} steps): {_num(c['share_median'], '.2f')} (goal >= "
+                 f"{c['goal']}); the update's computed slots "
+                 f"{_num(c['fill_median'], '.2f')} filled, with none padded "
+                 f"{_num(c['share_unpadded_median'], '.2f')}: {verdict(c)}")
   if "accept_order" in checks:
     c = checks["accept_order"]
     lines.append(f"- accept length order {' >= '.join(c['configs'])}: "

@@ -13,6 +13,8 @@ beside its table): each returns the figures it judged by and whether the goal ho
   validation accuracies (Fisher's exact test), and step 0's greedy validation, which
   lossless SD leaves equal. A p-value over 0.05 is no proof of equality, only the absence
   of a detected difference at this sample size;
+- the workload: the rollout's share of a `baseline` step, and what it would be with the
+  update's padding gone (`train/fill`);
 - speed: a drafting config's step time over the faster baseline's against the bound from
   the two-process baseline's tail share, the SD speedup measured at the tail's batch and
   (when one process is faster) what two processes cost against one.
@@ -31,12 +33,40 @@ SIGNIFICANCE = 0.05         # two-sample tests: "the same" unless p is below thi
 SPEED_SLACK = 1.1           # measured step-time ratio at most 10% over the bound
 MIN_STEPS = 5               # fewer steps per side: a rank test cannot reach p < 0.05
 LAST_STEPS = 3              # the accept gain's verdict: the median over the last steps
+ROLLOUT_SHARE_GOAL = 0.6    # the rollout's share of a baseline step: a long-tailed workload
 
 Records = Sequence[dict[str, Any]]
 
 
 def _steps(history: Records) -> dict[int, dict[str, Any]]:
   return {r["step"]: r for r in history if r.get("step", 0) >= 1}
+
+
+def slowest_rollout_s(record: dict[str, Any]) -> float:
+  """The step's rollout seconds: the slowest replica's (with several), as the step waits
+  for it; `timing/rollout_s` is process 0's own."""
+  per_replica = record.get("rollout/replica_s")
+  return float(max(per_replica)) if per_replica else float(record["timing/rollout_s"])
+
+
+def rollout_share(baseline: Records) -> dict[str, Any]:
+  """The rollout's share of a `baseline` step (steps after the first, which compiles), and
+  the same with the update's padding gone: its seconds scaled by `train/fill`, its cost per
+  computed slot kept (the most this trainer reaches here); None where the history
+  predates `train/fill`."""
+  timed = [r for s, r in sorted(_steps(baseline).items()) if s > 1]
+  shares, unpadded, fills = [], [], []
+  for r in timed:
+    rollout, step = slowest_rollout_s(r), r["timing/step_s"]
+    shares.append(rollout / step)
+    if "train/fill" in r:
+      fills.append(r["train/fill"])
+      unpadded.append(rollout / (step - r["timing/train_s"] * (1 - r["train/fill"])))
+  median = lambda values: statistics.median(values) if values else None
+  share = median(shares)
+  return {"steps": len(shares), "share_median": share, "fill_median": median(fills),
+          "share_unpadded_median": median(unpadded), "goal": ROLLOUT_SHARE_GOAL,
+          "holds": share is not None and share >= ROLLOUT_SHARE_GOAL}
 
 
 def accept_gain(online: Records, frozen: Records) -> dict[str, Any]:

@@ -130,7 +130,7 @@ def test_table_from_synthetic_run_dirs(synthetic_runs, tmp_path):
   # The checks the two configs allow (each check's own tests: tests/test_ablation_checks.py).
   checks = result["checks"]
   assert set(checks) == {"idle_use", "losslessness", "best_baseline", "baseline_step_s",
-                         "tail_share", "speed"}
+                         "tail_share", "speed", "rollout_share"}
   assert checks["best_baseline"] == "baseline" and checks["baseline_step_s"] == {
       "baseline": 55.0}
   assert result["sd"] == {"sd_threshold": 2, "temperature": 1.0, "speedup_at_tail": 0.8,

@@ -101,6 +101,24 @@ def test_tail_share_uses_the_steps_process_0_was_slowest():
   assert share == {"steps_used": 2, "share_median": pytest.approx((0.4 + 0.1) / 2)}
 
 
+def test_rollout_share_of_a_baseline_step_with_and_without_the_updates_padding():
+  timed = lambda s, rollouts, train, step, **more: _step(s, **{
+      "rollout/replica_s": rollouts, "timing/train_s": train, "timing/step_s": step, **more})
+  history = [timed(1, [50.0, 1.0], 9.0, 60.0, **{"train/fill": 0.5}),      # compiles: left out
+             timed(2, [6.0, 2.0], 4.0, 10.0, **{"train/fill": 0.5}),       # 0.6; 6 / 8
+             timed(3, [1.0, 5.0], 4.0, 10.0, **{"train/fill": 0.75}),      # 0.5; 5 / 9
+             timed(4, [4.0, 4.0], 6.0, 10.0, **{"train/fill": 1.0})]       # 0.4; 4 / 10
+  share = checks.rollout_share(history)
+  assert share["steps"] == 3 and share["share_median"] == pytest.approx(0.5)
+  assert share["fill_median"] == 0.75
+  assert share["share_unpadded_median"] == pytest.approx(5 / 9)
+  assert not share["holds"]
+  assert checks.rollout_share(history[:2])["holds"]                        # 0.6
+  old = checks.rollout_share([{k: v for k, v in r.items() if k != "train/fill"}
+                              for r in history])
+  assert old["share_median"] == pytest.approx(0.5) and old["share_unpadded_median"] is None
+
+
 def test_speed_against_the_amdahl_bound():
   base = [_step(s, **{"timing/step_s": t}) for s, t in ((1, 500.0), (2, 100.0), (3, 200.0))]
   other = [_step(s, **{"timing/step_s": t}) for s, t in ((1, 900.0), (2, 120.0), (3, 220.0))]

@@ -29,7 +29,7 @@ import pytest
 from tests.hf_fixtures import make_tiny_hf_checkpoint
 from tlt_jax.models.hf import load_hf_dir
 from tlt_jax.rl.advantages import group_advantages
-from tlt_jax.rl.batching import Sequences, micro_batches, pack
+from tlt_jax.rl.batching import Sequences, micro_batches, pack, row_counts
 from tlt_jax.rl.config import LOSS_AGG_MODES, AdvantageConfig, LossConfig
 from tlt_jax.rl.update import (UpdateConfig, UpdateContext, accumulate_grads, minibatch_grads,
                                score_sequences)
@@ -320,6 +320,11 @@ def test_grpo_loss_and_grads_match_torch(setups, kind, loss, mask_one):
   assert metrics["train/micro_batches"] >= 2 and metrics["train/rows"] > MICRO_ROWS
   # Some rows hold several samples (segment ids matter).
   assert metrics["train/rows"] < len(seqs)
+  # The share of computed slots holding a token: every sample's over the padded micro-batches.
+  padded_rows = sum(row_counts(int(metrics["train/rows"]), MICRO_ROWS))
+  assert metrics["train/fill"] == pytest.approx(
+      sum(seqs.length(i) for i in range(len(seqs))) / (padded_rows * TRAIN_SEQ_LEN))
+  assert 0 < metrics["train/fill"] < 1
 
   setup.hf.zero_grad(set_to_none=True)
   oracle, stats = _oracle_loss(setup.hf, seqs, oracle_adv, setup.old_logp, rollout_logp,

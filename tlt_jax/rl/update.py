@@ -290,6 +290,7 @@ def minibatch_grads(params: Params, sequences: Sequences, mini_batch: Sequence[i
   layout = pack(sequences, mini_batch, ctx.update.train_seq_len)
   grads = zero_grads(params, ctx.rules)
   sums: list[dict[str, jax.Array]] = []
+  filled = slots = 0
   for rows in micro_batches(layout, sequences, ctx.update.micro_batch_rows, per_token,
                             per_sequence={"advantages": advantages, "loss_weights": weights,
                                           "metric_weights": in_loss.astype(np.float32) / tokens},
@@ -299,10 +300,12 @@ def minibatch_grads(params: Params, sequences: Sequences, mini_batch: Sequence[i
                                             rules=ctx.rules, remat=ctx.update.remat,
                                             compute_dtype=ctx.compute_dtype)
     sums.append(micro_metrics)
+    filled, slots = filled + int(np.count_nonzero(rows.segment_ids)), slots + rows.tokens.size
   sums = jax.device_get(sums)
   merged = {k: (max if _is_max(k) else sum)(m[k] for m in sums) for k in sums[0]}
   merged["train/micro_batches"] = len(sums)
   merged["train/rows"] = layout.num_rows
+  merged["train/fill"] = filled / slots   # the rest of the computed slots is padding
   return grads, merged
 
 
