@@ -52,6 +52,21 @@ def test_every_config_parses_and_differs_only_as_the_ablation_means(parsed):
   assert all(sets[c]["replicas"] == 2 for c in drafting)
 
 
+def test_the_accelerator_workload_applies_to_every_config_and_fits_two_80_gib_gpus():
+  scale = "--flagfile=experiments/configs/ablation/accelerator.flags"
+  scaled = ablate.parse_flagfiles([ablate.flagfile(c) for c in ablate.CONFIGS], [scale])
+  for config in ablate.CONFIGS:
+    values = scaled[ablate.flagfile(config)]
+    assert "error" not in values, values
+    assert values["flags"]["max_new_tokens"] == 2048, config
+    assert values["flags"]["prompts_per_step"] * values["flags"]["group_size"] == 512, config
+  plan = subprocess.run([sys.executable, "-m", "experiments.plan",
+                         f"--flagfile={ablate.flagfile('tlt')}", scale], cwd=REPO,
+                        capture_output=True, text=True, timeout=300)
+  assert plan.returncode == 0 and plan.stdout.rstrip().endswith("fits"), plan.stderr[-2000:]
+  assert "2 rollout replicas" in plan.stdout and "256 rows" in plan.stdout
+
+
 def test_an_unknown_flag_in_a_flagfile_is_named(tmp_path):
   path = tmp_path / "typo.flags"
   path.write_text("--flagfile=experiments/configs/ablation/base.flags\n--drafter_trian=always\n")
