@@ -1,9 +1,9 @@
 """`python -m experiments.run --replicas=2`: two processes, one rollout replica each, on a
 tiny model. At temperature 0 their steps equal a one-process run's (same rollouts, rewards
 and losses, so the same trained policy); only process 0 writes the run dir; a run resumes
-from its checkpoint; a replica killed mid-run ends the run with one line from the
-survivor, soon; and a faked Slurm job (two local processes found by JAX's environment
-detection) initializes and runs a step."""
+from its checkpoint, and trains from a converted (orbax) checkpoint; a replica killed
+mid-run ends the run with one line from the survivor, soon; and a faked Slurm job (two
+local processes found by JAX's environment detection) initializes and runs a step."""
 from __future__ import annotations
 
 import json
@@ -75,6 +75,18 @@ def test_resume_with_replicas(runs, tiny_hf_dirs, tmp_path, compile_cache):
   assert "resumed" in proc.stderr
   assert [r["step"] for r in records(run_dir)] == [0, 1, 2, 3]
   assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["2", "3"]
+
+
+def test_replicas_train_from_a_converted_checkpoint(tiny_hf_dirs, tmp_path, compile_cache):
+  """Every process restores the orbax checkpoint onto its own device (not process 0's)."""
+  converted = str(tmp_path / "converted")
+  subprocess.run([sys.executable, "-m", "experiments.convert_hf",
+                  f"--hf_dir={tiny_hf_dirs['qwen2']}", f"--out={converted}"], cwd=REPO,
+                 check=True, capture_output=True, timeout=300)
+  run_dir = str(tmp_path / "run")
+  run_cli(run_dir, converted, "--steps=1", "--replicas=2", "--eval_every=0", *FLAGS,
+          cache=compile_cache)
+  assert [r["step"] for r in records(run_dir)] == [1]
 
 
 def test_a_dead_replica_ends_the_run_in_one_line(tiny_hf_dirs, tmp_path, compile_cache):

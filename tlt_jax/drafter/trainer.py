@@ -351,7 +351,7 @@ def restore_train_state(drafter_dir: str, template: TrainState) -> TrainState:
   check_tree_shapes(stored["params"], jax.tree.map(lambda x: tuple(x.shape), template.params),
                     state_dir, "drafter params", "the model implies")
   tree = {"params": template.params, "opt_state": template.opt_state, "step": template.step}
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), tree)
   restored = restore_tree(state_dir, target)
   return TrainState(**restored)

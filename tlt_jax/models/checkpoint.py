@@ -12,6 +12,8 @@ import shutil
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -56,7 +58,9 @@ def load_model_checkpoint(ckpt_dir: str, dtype=None, shardings: Any = None
                           ) -> tuple[ModelConfig, dict[str, Any]]:
   """Restores (config, params); `dtype` casts on read (default: as saved).
 
-  Without `shardings` every leaf lands on the first device.
+  Without `shardings` every leaf is read to the host and lands on the default device
+  uncommitted (as the HF loader's do), so a multi-process job can lay it out on a mesh of
+  every process's devices.
   """
   config = ModelConfig.from_hf_dir(ckpt_dir)
   params_dir = epath.Path(ckpt_dir) / PARAMS
@@ -66,8 +70,8 @@ def load_model_checkpoint(ckpt_dir: str, dtype=None, shardings: Any = None
   check_tree_shapes(stored, param_shapes(config), params_dir, f"params do not match {CONFIG}",
                     f"{CONFIG} implies")
   if shardings is None:
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    shardings = jax.tree.map(lambda _: device, stored)
+    host = jax.tree.map(lambda m: np.empty(m.shape, dtype or m.dtype), stored)
+    return config, jax.tree.map(jnp.asarray, restore_tree(params_dir, host))
   target = jax.tree.map(
       lambda m, s: jax.ShapeDtypeStruct(m.shape, dtype or m.dtype, sharding=s), stored, shardings)
   return config, restore_tree(params_dir, target)
@@ -104,7 +108,8 @@ def save_tree(path: epath.Path | str, tree: Any) -> None:
 
 
 def restore_tree(path: epath.Path, target: Any) -> Any:
-  """Restores a tree shaped and placed like `target` (ShapeDtypeStructs)."""
+  """Restores a tree shaped and placed like `target` (ShapeDtypeStructs; numpy arrays
+  restore to the host)."""
   try:
     with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
       return checkpointer.restore(_absolute(path), args=ocp.args.StandardRestore(target))
