@@ -23,12 +23,14 @@ Devices. On CPU each launched process is pinned to one core (`os.sched_setaffini
 jax is imported, so replicas do not contend for cores through their thread pools. On a GPU
 host each launched process gets its own group of the host's GPUs (`jax.distributed`'s
 `local_device_ids`), the GPUs split evenly in order: without it every process would claim
-every GPU. A joined job says its own (JAX's Slurm and Open MPI detection: one GPU per task;
-explicit processes on one host: JAX_LOCAL_DEVICE_IDS).
+every GPU. A joined job says its own (JAX's Slurm and Open MPI detection gives each task the
+GPU of its local rank when every task sees all the node's GPUs; explicit processes on one
+host: JAX_LOCAL_DEVICE_IDS).
 """
 from __future__ import annotations
 
 import dataclasses
+import glob
 import importlib.metadata
 import importlib.util
 import os
@@ -94,40 +96,58 @@ def free_local_port() -> int:
     return s.getsockname()[1]
 
 
+# The variable that picks the GPUs a process may use, by GPU platform.
+GPU_VISIBLE_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "rocm": "HIP_VISIBLE_DEVICES"}
+
+
 def accelerator_platform() -> str:
-  """"cpu", "gpu" or "tpu": what JAX will pick, decided before jax is imported (when pinning
-  and device groups must be set): JAX_PLATFORMS's first entry, or (unset) an installed GPU or
-  TPU plugin."""
+  """"cpu", "cuda", "rocm" or "tpu" (or another JAX_PLATFORMS name): what JAX will pick,
+  decided before jax is imported, when pinning and device groups must be set.
+  JAX_PLATFORMS's first entry when set; else an installed plugin whose devices this host
+  has (without them JAX falls back to the CPU)."""
+  plugins = " ".join(f"{p.name} {p.value}" for p in importlib.metadata.entry_points(
+      group="jax_plugins")).lower()
   platforms = os.environ.get("JAX_PLATFORMS", "")
   if platforms:
     first = platforms.split(",")[0].strip().lower()
-    return {"cuda": "gpu", "rocm": "gpu"}.get(first, first)
-  if importlib.util.find_spec("libtpu") is not None:
+    if first == "gpu":
+      return "rocm" if "rocm" in plugins and "cuda" not in plugins else "cuda"
+    return first
+  if (importlib.util.find_spec("libtpu") is not None
+      and (glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))):
     return "tpu"
-  plugins = [f"{p.name} {p.value}".lower() for p in importlib.metadata.entry_points(
-      group="jax_plugins")]
-  if any("cuda" in p or "rocm" in p for p in plugins):
-    return "gpu"
-  return "tpu" if any("tpu" in p for p in plugins) else "cpu"
+  for platform in GPU_VISIBLE_ENV:
+    if platform in plugins and local_gpu_count(platform):
+      return platform
+  return "cpu"
 
 
-def local_gpu_count() -> int:
-  """The GPUs this host lets this process use, counted without starting CUDA:
-  CUDA_VISIBLE_DEVICES's entries, or else the /dev/nvidiaN device files."""
-  visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+def local_gpu_count(platform: str = "cuda") -> int:
+  """The GPUs this host lets this process use, counted without starting the GPU runtime:
+  the entries of the platform's visibility variable (up to the first invalid one, where
+  the runtime stops reading), or else its device files."""
+  visible = os.environ.get(GPU_VISIBLE_ENV[platform])
+  if platform == "rocm" and visible is None:
+    visible = os.environ.get("ROCR_VISIBLE_DEVICES")
   if visible is not None:
-    return len([d for d in visible.split(",") if d.strip()])
-  return len([f for f in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", f)]
-             ) if os.path.isdir("/dev") else 0
+    entries = [d.strip() for d in visible.split(",")]
+    return next((i for i, d in enumerate(entries) if not d or d.startswith("-")),
+                len(entries))
+  if platform == "cuda":
+    return len([f for f in glob.glob("/dev/nvidia*") if re.fullmatch(r".*/nvidia\d+", f)])
+  # ROCm: the kernel driver's topology lists every agent; GPUs have a nonzero gpu_id.
+  return sum(open(f).read().strip() not in ("", "0")
+             for f in glob.glob("/sys/class/kfd/kfd/topology/nodes/*/gpu_id"))
 
 
-def device_group(index: int, replicas: int, gpus: int) -> list[int]:
-  """Replica `index`'s GPUs (ids among the visible ones) when `replicas` processes on one
-  host split its `gpus` GPUs evenly, in order."""
+def device_group(index: int, replicas: int, gpus: int, platform: str = "cuda") -> list[int]:
+  """Replica `index`'s GPUs (ordinals among the visible ones, in the runtime's order, which
+  may differ from nvidia-smi's) when `replicas` processes on one host split its `gpus`
+  GPUs evenly, in order."""
   if gpus < replicas or gpus % replicas:
     raise UserInputError(f"--replicas={replicas}: this host's {gpus} GPU(s) do not split "
-                         f"evenly into one group per replica (CUDA_VISIBLE_DEVICES picks "
-                         f"which GPUs the run may use)")
+                         f"evenly into one group per replica ({GPU_VISIBLE_ENV[platform]} "
+                         f"picks which GPUs the run may use)")
   size = gpus // replicas
   return list(range(index * size, (index + 1) * size))
 
@@ -170,7 +190,9 @@ class Processes:
     plan.check()
     if plan.mode == "single":
       return self
-    local = plan.mode == "launch" or os.environ.get(LAUNCHER_FD_ENV)
+    # A launched child's pipe from process 0; not passed on to any process it starts.
+    launcher_fd = os.environ.pop(LAUNCHER_FD_ENV, None) if plan.explicit else None
+    local = plan.mode == "launch" or launcher_fd is not None
     if plan.mode == "launch":
       kwargs = dict(coordinator_address=f"127.0.0.1:{free_local_port()}",
                     num_processes=plan.replicas, process_id=0)
@@ -180,9 +202,9 @@ class Processes:
     else:
       kwargs = {}
     platform = accelerator_platform() if local else None
-    if platform == "gpu":   # before any child starts, so a bad split fails once
+    if platform in GPU_VISIBLE_ENV:   # before any child starts, so a bad split fails once
       kwargs["local_device_ids"] = self._gpu_group(kwargs["process_id"],
-                                                   kwargs["num_processes"])
+                                                   kwargs["num_processes"], platform)
     elif platform not in (None, "cpu"):
       raise UserInputError(f"--replicas={kwargs['num_processes']} on one {platform} host: "
                            f"launch one process per host instead (--cluster=auto, or the "
@@ -201,20 +223,20 @@ class Processes:
     self.index, self.count = jax.process_index(), jax.process_count()
     if plan.replicas not in (1, self.count):
       raise UserInputError(f"--replicas={plan.replicas}: the job has {self.count} processes")
-    if os.environ.get(LAUNCHER_FD_ENV):
-      self._watch_launcher(int(os.environ[LAUNCHER_FD_ENV]))
+    if launcher_fd is not None:
+      self._watch_launcher(int(launcher_fd))
     return self
 
   @staticmethod
-  def _gpu_group(index: int, count: int) -> list[int]:
+  def _gpu_group(index: int, count: int, platform: str) -> list[int]:
     """A local launch on a GPU host: this process's group of its GPUs (process 0 says
     every replica's)."""
-    gpus = local_gpu_count()
+    gpus = local_gpu_count(platform)
     if index == 0:
-      groups = [device_group(i, count, gpus) for i in range(count)]
+      groups = [device_group(i, count, gpus, platform) for i in range(count)]
       print(f"replicas: {count} processes on {gpus} GPUs, one group each: {groups}",
             flush=True)
-    return device_group(index, count, gpus)
+    return device_group(index, count, gpus, platform)
 
   def _launch_children(self, address: str) -> None:
     argv = [sys.executable, *sys.orig_argv[1:]]
