@@ -36,6 +36,7 @@ from typing import Any, Sequence
 from absl import flags
 
 from experiments import ablation_checks, cli
+from experiments.ablation_checks import median
 from tlt_jax.errors import UserInputError
 from tlt_jax.files import atomic_file
 
@@ -216,10 +217,6 @@ def run_configs(configs: Sequence[str], steps: int, run_root: str, out: str,
     print(f"{head} done in {(time.perf_counter() - start) / 60:.1f} min", file=sys.stderr)
 
 
-def _median(values: Sequence[float]) -> float | None:
-  return statistics.median(values) if values else None
-
-
 def _values(records, key) -> list[float]:
   return [float(r[key]) for r in records if isinstance(r.get(key), (int, float))]
 
@@ -238,12 +235,12 @@ def summarize(history: Sequence[dict[str, Any]], tail_rows: int) -> dict[str, An
   rollouts = [ablation_checks.slowest_rollout_s(r) for r in timed]
   return {
       "steps_done": steps[-1]["step"],
-      "step_s": _median(_values(timed, "timing/step_s")),
-      "rollout_s": _median(rollouts),
-      "rollout_frac": _median([s / r["timing/step_s"] for s, r in zip(rollouts, timed)]),
-      "tail_s": _median([t for r in timed
-                         if (t := ablation_checks.tail_seconds(r, tail_rows)) is not None]),
-      "accept_len": _median([v for v in _values(steps, "spec/accept_len") if v > 0]),
+      "step_s": median(_values(timed, "timing/step_s")),
+      "rollout_s": median(rollouts),
+      "rollout_frac": median([ablation_checks.step_rollout_share(r) for r in timed]),
+      "tail_s": median([t for r in timed
+                        if (t := ablation_checks.tail_seconds(r, tail_rows)) is not None]),
+      "accept_len": median([v for v in _values(steps, "spec/accept_len") if v > 0]),
       "accept_len_last": steps[-1].get("spec/accept_len"),
       "drafter_train_steps": int(sum(_values(steps, "drafter/train_steps"))),
       "idle_s_used": used, "idle_s_available": available,
@@ -251,8 +248,8 @@ def summarize(history: Sequence[dict[str, Any]], tail_rows: int) -> dict[str, An
       "reward_last": steps[-1].get("reward/mean"),
       "val_accuracy_last": evals[-1]["val/accuracy"] if evals else None,
       "val_step_last": evals[-1]["step"] if evals else None,
-      "response_len_p50": _median(_values(steps, "response_len/p50")),
-      "response_len_p90": _median(_values(steps, "response_len/p90")),
+      "response_len_p50": median(_values(steps, "response_len/p50")),
+      "response_len_p90": median(_values(steps, "response_len/p90")),
       "response_len_max": max(_values(steps, "response_len/max"), default=None),
   }
 

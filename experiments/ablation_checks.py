@@ -42,11 +42,20 @@ def _steps(history: Records) -> dict[int, dict[str, Any]]:
   return {r["step"]: r for r in history if r.get("step", 0) >= 1}
 
 
+def median(values: Sequence[float]) -> float | None:
+  return statistics.median(values) if values else None
+
+
 def slowest_rollout_s(record: dict[str, Any]) -> float:
   """The step's rollout seconds: the slowest replica's (with several), as the step waits
   for it; `timing/rollout_s` is process 0's own."""
   per_replica = record.get("rollout/replica_s")
   return float(max(per_replica)) if per_replica else float(record["timing/rollout_s"])
+
+
+def step_rollout_share(record: dict[str, Any]) -> float:
+  """The slowest replica's rollout seconds over the step's."""
+  return slowest_rollout_s(record) / record["timing/step_s"]
 
 
 def rollout_share(baseline: Records) -> dict[str, Any]:
@@ -57,12 +66,11 @@ def rollout_share(baseline: Records) -> dict[str, Any]:
   timed = [r for s, r in sorted(_steps(baseline).items()) if s > 1]
   shares, unpadded, fills = [], [], []
   for r in timed:
-    rollout, step = slowest_rollout_s(r), r["timing/step_s"]
-    shares.append(rollout / step)
+    shares.append(step_rollout_share(r))
     if "train/fill" in r:
       fills.append(r["train/fill"])
-      unpadded.append(rollout / (step - r["timing/train_s"] * (1 - r["train/fill"])))
-  median = lambda values: statistics.median(values) if values else None
+      unpadded.append(slowest_rollout_s(r) / (r["timing/step_s"]
+                                              - r["timing/train_s"] * (1 - r["train/fill"])))
   share = median(shares)
   return {"steps": len(shares), "share_median": share, "fill_median": median(fills),
           "share_unpadded_median": median(unpadded), "goal": ROLLOUT_SHARE_GOAL,
@@ -76,7 +84,7 @@ def accept_gain(online: Records, frozen: Records) -> dict[str, Any]:
   common = [s for s in sorted(a.keys() & b.keys())
             if a[s].get("spec/accept_len") and b[s].get("spec/accept_len")]
   ratios = [a[s]["spec/accept_len"] / b[s]["spec/accept_len"] for s in common]
-  late = statistics.median(ratios[-LAST_STEPS:]) if ratios else None
+  late = median(ratios[-LAST_STEPS:])
   return {"steps": common, "ratio_by_step": ratios, "ratio_last": ratios[-1] if ratios else None,
           "ratio_late_median": late, "goal": ACCEPT_GAIN_GOAL,
           "holds": late is not None and late >= ACCEPT_GAIN_GOAL}
@@ -124,7 +132,7 @@ def idle_use(history: Records) -> dict[str, Any]:
   latency, step = p99(latencies), p99(spans)
   return {"steps": [r["step"] for r in trained], "used_s": used, "available_s": available,
           "used_frac": frac, "drafter_steps": len(spans),
-          "drafter_step_s_median": statistics.median(spans) if spans else None,
+          "drafter_step_s_median": median(spans),
           "drafter_step_s_p99": step, "preempt_latency_p99_s": latency,
           "holds": (frac is not None and frac >= IDLE_USED_GOAL and latency is not None
                     and latency <= step)}
@@ -176,7 +184,7 @@ def tail_share(history: Records, tail_rows: int) -> dict[str, Any]:
       continue
     shares.append(tail / r["timing/step_s"])
   return {"steps_used": len(shares),
-          "share_median": statistics.median(shares) if shares else None}
+          "share_median": median(shares)}
 
 
 def step_ratio(baseline: Records, other: Records) -> dict[str, Any]:

@@ -320,11 +320,11 @@ def test_grpo_loss_and_grads_match_torch(setups, kind, loss, mask_one):
   assert metrics["train/micro_batches"] >= 2 and metrics["train/rows"] > MICRO_ROWS
   # Some rows hold several samples (segment ids matter).
   assert metrics["train/rows"] < len(seqs)
-  # The share of computed slots holding a token: every sample's over the padded micro-batches.
+  # Computed slots: the padded micro-batches'; those holding a token: every sample's.
   padded_rows = sum(row_counts(int(metrics["train/rows"]), MICRO_ROWS))
-  assert metrics["train/fill"] == pytest.approx(
-      sum(seqs.length(i) for i in range(len(seqs))) / (padded_rows * TRAIN_SEQ_LEN))
-  assert 0 < metrics["train/fill"] < 1
+  assert metrics["train/slots"] == padded_rows * TRAIN_SEQ_LEN
+  assert metrics["train/token_slots"] == sum(seqs.length(i) for i in range(len(seqs)))
+  assert metrics["train/token_slots"] < metrics["train/slots"]
 
   setup.hf.zero_grad(set_to_none=True)
   oracle, stats = _oracle_loss(setup.hf, seqs, oracle_adv, setup.old_logp, rollout_logp,

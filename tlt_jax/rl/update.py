@@ -305,7 +305,7 @@ def minibatch_grads(params: Params, sequences: Sequences, mini_batch: Sequence[i
   merged = {k: (max if _is_max(k) else sum)(m[k] for m in sums) for k in sums[0]}
   merged["train/micro_batches"] = len(sums)
   merged["train/rows"] = layout.num_rows
-  merged["train/fill"] = filled / slots   # the rest of the computed slots is padding
+  merged["train/token_slots"], merged["train/slots"] = filled, slots   # the rest is padding
   return grads, merged
 
 
@@ -344,6 +344,9 @@ def update_policy(state: PolicyState, sequences: Sequences, advantages: np.ndarr
   if ctx.update.updates_per_step == 1:
     metrics.update({k: float(step_sums[0][k]) for k in
                     ("rollout/logprob_diff_mean", "rollout/logprob_diff_max")})
+  # The share of the update's computed slots that hold a token.
+  metrics["train/fill"] = (sum(s.pop("train/token_slots") for s in step_sums)
+                           / sum(s.pop("train/slots") for s in step_sums))
   for key in step_sums[0]:
     if not key.startswith("rollout/"):
       metrics[key] = float(np.mean([s[key] for s in step_sums]))
