@@ -7,11 +7,8 @@ scored at slot s + p - 1 + k. Per-token fields (advantages, log-probs, weights) 
 the host per sequence and are scattered into whichever layout a pass uses, so the old and
 reference log-probs computed over one layout serve mini-batches packed another way.
 Micro-batches are `micro_rows` rows; the last is padded to a power of two (and to a
-multiple of the data shards), and each is cut to the shortest of four row lengths (quarters
-of the row, `row_lengths`) that holds its rows' samples: rows fill from slot 0 and first-fit
-places the longest samples first, so later micro-batches, the last's padding rows above
-all, hold shorter ones. The train programs are keyed by a small, known set of (row count,
-row length) shapes. Only response slots need the LM head (a fifth of a small model's FLOPs per token),
+multiple of the data shards), so the train programs are keyed by a small, known set of row
+counts. Only response slots need the LM head (a fifth of a small model's FLOPs per token),
 so each micro-batch lists them in `scored_slots`, padded to a quarter-step of its slot
 count (`scored_slot_count`). With several data shards (`sharding.data_parallel`) a
 micro-batch's rows split evenly over them, and `scored_slots` holds one equal-sized block
@@ -27,7 +24,6 @@ import numpy as np
 
 from tlt_jax.data.packing import place_samples
 from tlt_jax.errors import UserInputError
-from tlt_jax.rollout.buckets import round_up
 
 
 @flax.struct.dataclass
@@ -123,38 +119,21 @@ def possible_row_counts(micro_rows: int, shards: int = 1) -> list[int]:
   return sorted({_padded(rows, micro_rows, shards) for rows in range(1, micro_rows + 1)})
 
 
-ROW_LENGTH_MULTIPLE = 64
-
-
-def row_lengths(seq_len: int) -> list[int]:
-  """The lengths a micro-batch's rows are cut to: quarters of `seq_len`, rounded up to a
-  multiple of ROW_LENGTH_MULTIPLE (at most `seq_len`)."""
-  return sorted({min(seq_len, round_up(-(-k * seq_len // 4), ROW_LENGTH_MULTIPLE))
-                 for k in range(1, 5)})
-
-
-def row_length(used: int, seq_len: int) -> int:
-  """The shortest of `row_lengths(seq_len)` that holds `used` slots."""
-  return next(n for n in row_lengths(seq_len) if n >= used)
-
-
 def scored_slot_count(response_slots: int, total_slots: int) -> int:
   """K for `scored_slots`: the smallest quarter of `total_slots` that holds them all."""
   quarter = -(-total_slots // 4)
   return min(total_slots, max(quarter, -(-response_slots // quarter) * quarter))
 
 
-def possible_shapes(micro_rows: int, seq_len: int, shards: int = 1
-                    ) -> list[tuple[int, int, int]]:
-  """Every (row count, row length, scored slot count) a micro-batch can have: the train
-  programs' shapes."""
+def possible_shapes(micro_rows: int, seq_len: int, shards: int = 1) -> list[tuple[int, int]]:
+  """Every (row count, scored slot count) a micro-batch can have: the train programs'
+  shapes."""
   shapes = set()
   for count in possible_row_counts(micro_rows, shards):
-    for length in row_lengths(seq_len):
-      total = count // shards * length       # one shard's slots
-      quarter = -(-total // 4)
-      shapes.update((count, length, shards * scored_slot_count(n, total))
-                    for n in range(0, total + quarter, quarter))
+    total = count // shards * seq_len       # one shard's slots
+    quarter = -(-total // 4)
+    shapes.update((count, shards * scored_slot_count(n, total))
+                  for n in range(0, total + quarter, quarter))
   return sorted(shapes)
 
 
@@ -183,11 +162,9 @@ def micro_batches(layout: Layout, sequences: Sequences, micro_rows: int,
   tokens, positions, segments = (np.zeros(shape, np.int32) for _ in range(3))
   fields = {name: np.zeros(shape, np.float32) for name in _PER_TOKEN_VALUES}
   scored = np.zeros(shape, bool).reshape(-1)
-  used = np.zeros(total, np.int64)   # slots each row's samples fill, from slot 0
   flat = {name: a.reshape(-1) for name, a in fields.items()}
   for k, i in enumerate(layout.indices):
     r, s, n = layout.rows[k], layout.starts[k], sequences.length(i)
-    used[r] = max(used[r], s + n)
     tokens[r, s:s + n] = np.concatenate([sequences.prompts[i], sequences.responses[i]])
     positions[r, s:s + n] = np.arange(n)
     # Segment ids only need to differ between neighbours of a row: the sample's rank in it.
@@ -201,11 +178,11 @@ def micro_batches(layout: Layout, sequences: Sequences, micro_rows: int,
   scored = scored.reshape(shape)
   start = 0
   for count in counts:
-    cut = (slice(start, start + count),
-           slice(0, row_length(used[start:start + count].max(), layout.seq_len)))
-    yield TrainRows(tokens=tokens[cut], positions=positions[cut], segment_ids=segments[cut],
-                    scored_slots=_shard_slots(scored[cut], shards),
-                    **{name: a[cut] for name, a in fields.items()})
+    rows = slice(start, start + count)
+    yield TrainRows(tokens=tokens[rows], positions=positions[rows],
+                    segment_ids=segments[rows],
+                    scored_slots=_shard_slots(scored[rows], shards),
+                    **{name: a[rows] for name, a in fields.items()})
     start += count
 
 
@@ -224,11 +201,9 @@ def _shard_slots(scored: np.ndarray, shards: int) -> np.ndarray:
 
 def gather_response_values(layout: Layout, sequences: Sequences,
                            row_values: Sequence[np.ndarray]) -> list[np.ndarray]:
-  """Inverse of the scatter: per-slot values of the micro-batches (in order, each [rows,
-  its row length]) -> one array per sequence of `layout`, indexed by sequence (others
-  None)."""
-  flat = np.concatenate([np.pad(v, ((0, 0), (0, layout.seq_len - v.shape[1]))).reshape(-1)
-                         for v in map(np.asarray, row_values)])
+  """Inverse of the scatter: per-slot values of the micro-batches (in order) -> one array
+  per sequence of `layout`, indexed by sequence (others None)."""
+  flat = np.concatenate([np.asarray(v).reshape(-1) for v in row_values])
   out: list[np.ndarray | None] = [None] * len(sequences)
   for k, i in enumerate(layout.indices):
     out[i] = flat[response_slots(layout, sequences, k)]

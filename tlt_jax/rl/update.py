@@ -189,9 +189,9 @@ def precompile_training(state: PolicyState, ctx: "UpdateContext") -> int:
   grads = zero_grads(state.params, ctx.rules)
   static = dict(config=ctx.config, sampling=ctx.sampling, rules=ctx.rules,
                 compute_dtype=ctx.compute_dtype)
-  for count, length, scored in possible_shapes(ctx.update.micro_batch_rows,
-                                               ctx.update.train_seq_len, ctx.data_shards):
-    rows = empty_rows(count, length, scored)
+  for count, scored in possible_shapes(ctx.update.micro_batch_rows, ctx.update.train_seq_len,
+                                       ctx.data_shards):
+    rows = empty_rows(count, ctx.update.train_seq_len, scored)
     accumulate_grads.lower(state.params, grads, rows, loss=ctx.loss, remat=ctx.update.remat,
                            **static).compile()
     if score:
