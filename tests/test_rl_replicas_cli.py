@@ -1,9 +1,10 @@
 """`python -m experiments.run --replicas=2`: two processes, one rollout replica each, on a
 tiny model. At temperature 0 their steps equal a one-process run's (same rollouts, rewards
 and losses, so the same trained policy); only process 0 writes the run dir; a run resumes
-from its checkpoint, and trains from a converted (orbax) checkpoint; a replica killed
-mid-run ends the run with one line from the survivor, soon; and a faked Slurm job (two
-local processes found by JAX's environment detection) initializes and runs a step."""
+from its checkpoint, and trains from a converted (orbax) checkpoint; with --tp=2 inside
+each of two-device replicas it still equals one process; a replica killed mid-run ends the
+run with one line from the survivor, soon; and a faked Slurm job (two local processes found
+by JAX's environment detection) initializes and runs a step."""
 from __future__ import annotations
 
 import json
@@ -64,6 +65,32 @@ def test_two_replicas_equal_one_process_at_temperature_0(runs):
   assert "on 2 replicas" in proc.stderr
   # Process 0 alone writes: one progress line per step, one summary.
   assert proc.stderr.count("step 2/2") == 1 and proc.stderr.count("HF export:") == 1
+
+
+def test_tensor_parallel_inside_each_replica_equals_one_process(tiny_hf_dirs, tmp_path,
+                                                                compile_cache):
+  """Two replicas of two devices each with --tp=2 inside each (an 8-GPU host's layout in
+  miniature): each process takes its own copy of the tp-split policy for its rollout, and
+  the run equals one process's on two devices. The entropy bonus moves the policy even
+  where every reward is equal."""
+  env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  flags = ("--steps=2", "--micro_batch_rows=4", "--entropy_coef=0.05", "--lr=1e-2",
+           "--eval_every=0", *FLAGS)
+  one, two = str(tmp_path / "one"), str(tmp_path / "two")
+  run_cli(one, tiny_hf_dirs["qwen2"], "--tp=2", "--fsdp=1", *flags, env_extra=env,
+          cache=compile_cache)
+  run_cli(two, tiny_hf_dirs["qwen2"], "--tp=2", "--replicas=2", *flags, env_extra=env,
+          cache=compile_cache)
+  for got, want in zip(records(two)[1:], records(one)[1:]):
+    assert got["rollout/generated_tokens"] == want["rollout/generated_tokens"]
+    assert want["actor/grad_norm"] > 0
+    for key in ("actor/loss", "actor/grad_norm", "actor/entropy"):
+      assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+  from safetensors.numpy import load_file
+  a = load_file(os.path.join(two, "hf_export", "model.safetensors"))
+  b = load_file(os.path.join(one, "hf_export", "model.safetensors"))
+  for name in b:
+    np.testing.assert_allclose(a[name], b[name], rtol=0, atol=1e-5, err_msg=name)
 
 
 def test_resume_with_replicas(runs, tiny_hf_dirs, tmp_path, compile_cache):

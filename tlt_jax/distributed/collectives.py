@@ -4,8 +4,9 @@ replicated array.
 The RL step moves rollouts between replicas as fixed-shape arrays through a collective
 (`allgather`: every process gets every process's rows), never through the key-value store.
 Arrays laid out on a mesh of several processes are read on the host through a gather
-(`to_host`), or used by a process through its own shard (`local_copy`), which for a
-replicated array is the whole value, on one of its devices.
+(`to_host`), or used by a process through its own copy (`local_copy`): for a replicated
+array the whole value on one of its devices, for one split only within processes (--tp
+inside each process of a data-parallel mesh) its shards on this process's devices.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
 
 
 def process_count() -> int:
@@ -62,14 +64,33 @@ def to_host(tree: Any) -> Any:
 
 
 def local_copy(tree: Any) -> Any:
-  """Each leaf as this process can use it alone: unchanged when all its shards are local,
-  else its first local shard (for a replicated array, the whole value). A leaf split
-  across processes raises: it has no whole local copy."""
+  """Each leaf as this process can use it alone: unchanged when all its shards are local;
+  else, when it is split only over mesh axes inside each process (replicated, or --tp
+  inside each process of a data-parallel mesh), the same layout over this process's part
+  of the mesh, from its own shards. A leaf split across processes raises: it has no whole
+  local copy."""
   def one(x):
     if not isinstance(x, jax.Array) or x.is_fully_addressable:
       return x
-    if not x.is_fully_replicated:
-      raise ValueError(f"an array of shape {x.shape} is split across processes "
-                       f"({x.sharding}); it has no local copy")
-    return x.addressable_data(0)
+    return _local_part(x)
   return jax.tree.map(one, tree)
+
+
+def _local_part(x: jax.Array) -> jax.Array:
+  """`x` on the sub-mesh of this process's slabs of its mesh's leading axis (the one that
+  runs across processes), from its local shards."""
+  mesh, spec = getattr(x.sharding, "mesh", None), getattr(x.sharding, "spec", None)
+  if mesh is None and x.is_fully_replicated:
+    return x.addressable_data(0)
+  if mesh is not None:
+    mine = np.vectorize(lambda d: d.process_index == jax.process_index())(mesh.devices)
+    slabs = mine.reshape(mine.shape[0], -1).all(axis=1)
+    if slabs.any() and mine.sum() == mine[slabs].size:
+      local = NamedSharding(Mesh(mesh.devices[slabs], mesh.axis_names), spec)
+      expected = local.devices_indices_map(x.shape)
+      shards = {s.device: s for s in x.addressable_shards}
+      if all(expected[d] == shards[d].index for d in local.device_set):
+        return jax.make_array_from_single_device_arrays(
+            x.shape, local, [shards[d].data for d in local.mesh.devices.flat])
+  raise ValueError(f"an array of shape {x.shape} is split across processes "
+                   f"({x.sharding}); it has no whole local copy")
