@@ -78,10 +78,9 @@ def local_copy(tree: Any) -> Any:
 
 def _local_part(x: jax.Array) -> jax.Array:
   """`x` on the sub-mesh of this process's slabs of its mesh's leading axis (the one that
-  runs across processes), from its local shards."""
+  runs across processes), from its local shards; a replicated `x` on another layout: its
+  first local shard."""
   mesh, spec = getattr(x.sharding, "mesh", None), getattr(x.sharding, "spec", None)
-  if mesh is None and x.is_fully_replicated:
-    return x.addressable_data(0)
   if mesh is not None:
     mine = np.vectorize(lambda d: d.process_index == jax.process_index())(mesh.devices)
     slabs = mine.reshape(mine.shape[0], -1).all(axis=1)
@@ -92,5 +91,7 @@ def _local_part(x: jax.Array) -> jax.Array:
       if all(expected[d] == shards[d].index for d in local.device_set):
         return jax.make_array_from_single_device_arrays(
             x.shape, local, [shards[d].data for d in local.mesh.devices.flat])
+  if x.is_fully_replicated:
+    return x.addressable_data(0)
   raise ValueError(f"an array of shape {x.shape} is split across processes "
                    f"({x.sharding}); it has no whole local copy")

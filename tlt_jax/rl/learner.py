@@ -257,7 +257,7 @@ class Learner:
 
   def sync_weights(self, params: Params) -> Params:
     """New policy -> the rollout engine, with no recompilation (`lay_out_for_rollout`);
-    with several replicas each takes its own copy of the replicated policy."""
+    with several replicas each takes its own copy of the policy (`local_copy`)."""
     return lay_out_for_rollout(local_copy(params), self.config, self.rollout,
                                self.update.compute_dtype)
 
