@@ -34,6 +34,7 @@ import glob
 import importlib.metadata
 import importlib.util
 import os
+import pathlib
 import re
 import socket
 import subprocess
@@ -136,7 +137,7 @@ def local_gpu_count(platform: str = "cuda") -> int:
   if platform == "cuda":
     return len([f for f in glob.glob("/dev/nvidia*") if re.fullmatch(r".*/nvidia\d+", f)])
   # ROCm: the kernel driver's topology lists every agent; GPUs have a nonzero gpu_id.
-  return sum(open(f).read().strip() not in ("", "0")
+  return sum(pathlib.Path(f).read_text().strip() not in ("", "0")
              for f in glob.glob("/sys/class/kfd/kfd/topology/nodes/*/gpu_id"))
 
 
@@ -232,11 +233,11 @@ class Processes:
     """A local launch on a GPU host: this process's group of its GPUs (process 0 says
     every replica's)."""
     gpus = local_gpu_count(platform)
+    groups = [device_group(i, count, gpus, platform) for i in range(count)]
     if index == 0:
-      groups = [device_group(i, count, gpus, platform) for i in range(count)]
       print(f"replicas: {count} processes on {gpus} GPUs, one group each: {groups}",
             flush=True)
-    return device_group(index, count, gpus, platform)
+    return groups[index]
 
   def _launch_children(self, address: str) -> None:
     argv = [sys.executable, *sys.orig_argv[1:]]
