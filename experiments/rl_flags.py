@@ -89,6 +89,10 @@ _MICRO_ROWS = flags.DEFINE_integer("micro_batch_rows", 8, "Packed rows per micro
 _TRAIN_SEQ_LEN = flags.DEFINE_integer("train_seq_len", 0, "Packed row length; 0: "
                                       "max_prompt_len + max_new_tokens rounded up to 64.")
 _REMAT = flags.DEFINE_bool("remat", False, "Recompute layer activations in the backward pass.")
+_SKIP_ZERO_ADV = flags.DEFINE_bool("skip_zero_advantage", True, "Leave out of the update the "
+                                   "sequences whose gradient is exactly zero (zero "
+                                   "advantage, no KL or entropy term): the same step, less "
+                                   "compute; actor/* metrics then cover the tokens trained.")
 _LR = flags.DEFINE_float("lr", 1e-6, "Peak learning rate (AdamW).")
 _LR_SCHEDULE = flags.DEFINE_string("lr_schedule", "constant", "constant | cosine (after "
                                    "warm-up).")
@@ -421,7 +425,7 @@ def _check_flags(total_steps: int, replicas) -> _Checked:
   seq_len = train_seq_len()
   update = UpdateConfig(ppo_epochs=_PPO_EPOCHS.value, num_mini_batches=_MINI_BATCHES.value,
                         micro_batch_rows=_MICRO_ROWS.value, train_seq_len=seq_len,
-                        remat=_REMAT.value)
+                        remat=_REMAT.value, skip_zero_advantage=_SKIP_ZERO_ADV.value)
   optimizer_steps = total_steps * update.updates_per_step
   schedule = optim.learning_rate_schedule(_LR.value, optimizer_steps, _WARMUP.value,
                                           schedule=_LR_SCHEDULE.value)

@@ -32,7 +32,7 @@ from tlt_jax.rl.advantages import group_advantages
 from tlt_jax.rl.batching import Sequences, micro_batches, pack, row_counts
 from tlt_jax.rl.config import LOSS_AGG_MODES, AdvantageConfig, LossConfig
 from tlt_jax.rl.update import (UpdateConfig, UpdateContext, accumulate_grads, minibatch_grads,
-                               score_sequences)
+                               moving_sequences, score_sequences)
 from tlt_jax.rollout.sampling import SamplingParams
 
 torch = pytest.importorskip("torch")
@@ -352,3 +352,38 @@ def test_grpo_loss_and_grads_match_torch(setups, kind, loss, mask_one):
   ours_norm = float(optax.tree.norm(grads))
   hf_norm = float(torch.sqrt(sum((p.grad ** 2).sum() for p in setup.hf.parameters())))
   np.testing.assert_allclose(ours_norm, hf_norm, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_zero_advantage_sequences_left_out_keep_the_oracles_gradient(setups, mode):
+  """A group whose rewards tie has zero advantages: with no KL or entropy term the update
+  leaves it out of the forward and backward (`moving_sequences`), and the loss and
+  gradient are still the oracle's over every sequence (its tokens count in the
+  normalizer of each loss_agg_mode)."""
+  setup = setups("qwen2")
+  seqs = setup.sequences
+  loss = LossConfig(loss_agg_mode=mode)
+  rewards = REWARDS.copy()
+  rewards[1] = 1.0
+  advantages = group_advantages(rewards, AdvantageConfig(mode="grpo", eps=ADV_EPS)).reshape(-1)
+  in_loss = np.ones(len(seqs), bool)
+  trained = moving_sequences(advantages, in_loss, loss)
+  # Group 1 ties; group 0's 0.5 is its mean.
+  np.testing.assert_array_equal(trained, [True, True, False] + [False] * 3 + [True] * 3)
+  ctx = _context(setup.config, loss)
+  zeros = [np.zeros(len(r), np.float32) for r in seqs.responses]
+  grads, metrics = minibatch_grads(
+      setup.params, seqs, np.arange(len(seqs)), advantages,
+      {"old_logp": setup.old_logp, "rollout_logp": setup.old_logp, "ref_logp": zeros},
+      in_loss, ctx, loss=dataclasses.replace(loss, loss_agg_mode=LOSS_AGG_MODES[0]),
+      trained=trained)
+  assert metrics["train/token_slots"] == sum(seqs.length(i) for i in np.flatnonzero(trained))
+
+  setup.hf.zero_grad(set_to_none=True)
+  oracle, stats = _oracle_loss(setup.hf, seqs, _oracle_advantages(rewards), setup.old_logp,
+                               setup.old_logp, setup.hf_ref_logp, in_loss, loss)
+  oracle.backward()
+  np.testing.assert_allclose(float(metrics["actor/loss"]), oracle.item(), rtol=LOSS_RTOL)
+  for name, ours, theirs in _named_grads(setup, jax.device_get(grads)):
+    assert np.abs(theirs).max() > 1e-3, f"{name}: the oracle's gradient is ~0"
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=GRAD_ATOL, err_msg=name)

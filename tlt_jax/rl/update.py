@@ -207,12 +207,16 @@ def precompile_training(state: PolicyState, ctx: "UpdateContext") -> int:
 class UpdateConfig:
   """How a step's responses become optimizer steps: `ppo_epochs` passes over them, each in
   `num_mini_batches` optimizer steps, each accumulated over micro-batches of
-  `micro_batch_rows` packed rows of `train_seq_len` slots."""
+  `micro_batch_rows` packed rows of `train_seq_len` slots. `skip_zero_advantage` leaves
+  out of the forward and backward the sequences whose gradient is exactly zero
+  (`moving_sequences`): the same step, less compute; the actor/* metrics are then over the
+  tokens trained."""
   ppo_epochs: int = 1
   num_mini_batches: int = 1
   micro_batch_rows: int = 8
   train_seq_len: int = 256
   remat: bool = False
+  skip_zero_advantage: bool = True
 
   def __post_init__(self):
     for name in ("ppo_epochs", "num_mini_batches", "micro_batch_rows"):
@@ -250,10 +254,28 @@ class UpdateContext:
     return data_parallel.data_shards(self.rules)
 
 
-def score_sequences(params: Params, sequences: Sequences, ctx: UpdateContext
-                    ) -> list[np.ndarray]:
-  """Per-sequence log-probs of every response token under `params` (no gradient)."""
-  layout = pack(sequences, range(len(sequences)), ctx.update.train_seq_len)
+def moving_sequences(advantages: np.ndarray, in_loss: np.ndarray, loss: LossConfig
+                     ) -> np.ndarray:
+  """Which sequences can move the policy: those in the loss with a nonzero advantage, or
+  all in the loss when a KL or entropy term gives every token a gradient. A zero-advantage
+  token's clipped surrogate is 0 at every ratio, so its gradient is exactly 0: a GRPO group
+  whose rewards all tie (and a DAPO filler group) adds nothing to the step but compute.
+  Its tokens still count in the loss's normalizer (`sequence_weights` sees every sequence
+  in the loss), so leaving it out changes the gradient only by summation order."""
+  in_loss = np.asarray(in_loss, bool)
+  if loss.kl_coef > 0 or loss.entropy_coef > 0:
+    return in_loss
+  return in_loss & (np.asarray(advantages) != 0)
+
+
+def score_sequences(params: Params, sequences: Sequences, ctx: UpdateContext,
+                    indices: Sequence[int] | None = None) -> list[np.ndarray | None]:
+  """Per-sequence log-probs of every response token under `params` (no gradient), of the
+  sequences `indices` (default all; the others' entries are None)."""
+  indices = range(len(sequences)) if indices is None else indices
+  if not len(indices):
+    return [None] * len(sequences)
+  layout = pack(sequences, indices, ctx.update.train_seq_len)
   values = [score_rows(params, rows, config=ctx.config, sampling=ctx.sampling,
                        rules=ctx.rules, compute_dtype=ctx.compute_dtype)
             for rows in micro_batches(layout, sequences, ctx.update.micro_batch_rows, {}, {},
@@ -275,25 +297,29 @@ def logprob_gap(trainer_logp: Sequence[np.ndarray], rollout_logp: Sequence[np.nd
 def minibatch_grads(params: Params, sequences: Sequences, mini_batch: Sequence[int],
                     advantages: np.ndarray, per_token: dict[str, Sequence[np.ndarray]],
                     in_loss: np.ndarray, ctx: UpdateContext,
-                    loss: LossConfig | None = None) -> tuple[Params, dict[str, float]]:
+                    loss: LossConfig | None = None, trained: np.ndarray | None = None
+                    ) -> tuple[Params, dict[str, float]]:
   """The gradient of one mini-batch's loss (sequences `mini_batch`), accumulated over its
   packed micro-batches, and its metric sums; with several data shards, each shard's part
-  of it on a leading data axis, which `apply_grads` sums. `loss` overrides the program's
-  LossConfig (the aggregation mode only shapes the host-side weights, never the
-  program)."""
+  of it on a leading data axis, which `apply_grads` sums. Only the sequences `trained`
+  marks (default: those in the loss) are computed; the loss's normalizer counts every
+  sequence in the loss. `loss` overrides the program's LossConfig (the aggregation mode
+  only shapes the host-side weights, never the program)."""
   n = len(sequences)
+  trained = np.asarray(in_loss if trained is None else trained, bool)
   masked_lengths = np.array([len(r) for r in sequences.responses]) * in_loss
   weights = np.zeros(n, np.float32)
   weights[mini_batch] = sequence_weights(masked_lengths[mini_batch], ctx.loss.loss_agg_mode,
                                          ctx.max_response_len)
-  tokens = max(int(masked_lengths[mini_batch].sum()), 1)
-  layout = pack(sequences, mini_batch, ctx.update.train_seq_len)
+  computed = [i for i in mini_batch if trained[i]]
+  tokens = max(int(masked_lengths[computed].sum()), 1)
+  layout = pack(sequences, computed, ctx.update.train_seq_len)
   grads = zero_grads(params, ctx.rules)
   sums: list[dict[str, jax.Array]] = []
   filled = slots = 0
   for rows in micro_batches(layout, sequences, ctx.update.micro_batch_rows, per_token,
                             per_sequence={"advantages": advantages, "loss_weights": weights,
-                                          "metric_weights": in_loss.astype(np.float32) / tokens},
+                                          "metric_weights": trained.astype(np.float32) / tokens},
                             shards=ctx.data_shards):
     grads, micro_metrics = accumulate_grads(params, grads, rows, config=ctx.config,
                                             sampling=ctx.sampling, loss=loss or ctx.loss,
@@ -302,7 +328,7 @@ def minibatch_grads(params: Params, sequences: Sequences, mini_batch: Sequence[i
     sums.append(micro_metrics)
     filled, slots = filled + int(np.count_nonzero(rows.segment_ids)), slots + rows.tokens.size
   sums = jax.device_get(sums)
-  merged = {k: (max if _is_max(k) else sum)(m[k] for m in sums) for k in sums[0]}
+  merged = {k: (max if _is_max(k) else sum)(m[k] for m in sums) for k in sums[0]} if sums else {}
   merged["train/micro_batches"] = len(sums)
   merged["train/rows"] = layout.num_rows
   merged["train/token_slots"], merged["train/slots"] = filled, slots   # the rest is padding
@@ -318,16 +344,19 @@ def update_policy(state: PolicyState, sequences: Sequences, advantages: np.ndarr
 
   With one update per step the ratio's `old` side is the rollout's own log-probs (the
   params have not moved since the rollout); with several it is the trainer's log-probs
-  before the first update, so every update sees one fixed `old` policy."""
+  before the first update, so every update sees one fixed `old` policy. Every optimizer
+  step runs, even one whose sequences all have a zero gradient (weight decay moves)."""
   n = len(sequences)
+  trained = (moving_sequences(advantages, in_loss, ctx.loss) if ctx.update.skip_zero_advantage
+             else np.asarray(in_loss, bool))
   if ref_logp is None:
     ref_logp = [np.zeros(len(r), np.float32) for r in sequences.responses]
-  metrics: dict[str, float] = {}
+  metrics: dict[str, float] = {"train/skipped_sequences": int(np.sum(in_loss) - trained.sum())}
   if ctx.update.updates_per_step == 1:
     old_logp = rollout_logp
   else:
-    old_logp = score_sequences(state.params, sequences, ctx)
-    metrics.update(logprob_gap(old_logp, rollout_logp, in_loss))
+    old_logp = score_sequences(state.params, sequences, ctx, np.flatnonzero(trained))
+    metrics.update(logprob_gap(old_logp, rollout_logp, trained))
   rng = np.random.default_rng(seed)
   per_token = {"old_logp": old_logp, "rollout_logp": rollout_logp, "ref_logp": ref_logp}
   step_sums: list[dict[str, float]] = []
@@ -335,20 +364,32 @@ def update_policy(state: PolicyState, sequences: Sequences, advantages: np.ndarr
     order = rng.permutation(n) if ctx.update.num_mini_batches > 1 else np.arange(n)
     for mini_batch in np.array_split(order, ctx.update.num_mini_batches):
       grads, merged = minibatch_grads(state.params, sequences, mini_batch, advantages,
-                                      per_token, in_loss, ctx)
+                                      per_token, in_loss, ctx, trained=trained)
       state, grad_norm = apply_grads(state, grads, optimizer=ctx.optimizer, config=ctx.config,
                                      rules=ctx.rules)
       del grads   # before the next mini-batch's accumulator: two gradients at most, not three
       merged["actor/grad_norm"] = float(grad_norm)
       step_sums.append(merged)
-  if ctx.update.updates_per_step == 1:
+  metrics.update(_step_metrics(step_sums, first_pass_gap=ctx.update.updates_per_step == 1))
+  return state, metrics
+
+
+def _step_metrics(step_sums: list[dict[str, float]], first_pass_gap: bool
+                  ) -> dict[str, float]:
+  """Optimizer steps' metric sums -> the step's: means over the steps that computed each
+  (a step whose sequences were all skipped computes no actor/* sums), the fill over all,
+  and (`first_pass_gap`) the rollout-vs-trainer gap of the first step, before the params
+  moved."""
+  metrics: dict[str, float] = {}
+  if first_pass_gap and "rollout/logprob_diff_mean" in step_sums[0]:
     metrics.update({k: float(step_sums[0][k]) for k in
                     ("rollout/logprob_diff_mean", "rollout/logprob_diff_max")})
-  # The share of the update's computed slots that hold a token.
-  metrics["train/fill"] = (sum(s.pop("train/token_slots") for s in step_sums)
-                           / sum(s.pop("train/slots") for s in step_sums))
-  for key in step_sums[0]:
+  slots = sum(s.pop("train/slots") for s in step_sums)
+  filled = sum(s.pop("train/token_slots") for s in step_sums)
+  if slots:   # the share of the update's computed slots that hold a token
+    metrics["train/fill"] = filled / slots
+  for key in dict.fromkeys(k for s in step_sums for k in s):
     if not key.startswith("rollout/"):
-      metrics[key] = float(np.mean([s[key] for s in step_sums]))
+      metrics[key] = float(np.mean([s[key] for s in step_sums if key in s]))
   metrics["actor/updates"] = len(step_sums)
-  return state, metrics
+  return metrics
