@@ -448,18 +448,39 @@ def test_cpu_token_logprobs_kernel_matches_reference(temperature):
 @pytest.mark.parametrize("shards", [1, 2])
 def test_micro_batch_shapes_are_the_precompiled_ones(shards):
   """Every micro-batch of any step has one of `possible_shapes` (what --precompile builds),
-  and all of them turn up, with one data shard or two."""
-  from tlt_jax.rl.batching import Sequences, micro_batches, pack, possible_shapes
+  and all of them turn up, with one data shard or two: row counts, the four row lengths
+  `pack_tight` picks from, scored slot counts."""
+  from tlt_jax.rl.batching import Sequences, micro_batches, pack_tight, possible_shapes
   rng = np.random.default_rng(0)
-  shapes = set(possible_shapes(4, 64, shards))
+  shapes = set(possible_shapes(4, 256, shards))
+  assert {length for _, length, _ in shapes} == {64, 128, 192, 256}
   seen = set()
-  for i in range(300):
+  for i in range(1500):
     n = int(rng.integers(1, 24))
-    max_prompt, max_response = [(20, 45), (3, 45), (20, 5)][i % 3]   # all response lengths
-    prompts = [[1] * int(rng.integers(1, max_prompt)) for _ in range(n)]
-    responses = [[2] * int(rng.integers(1, max_response)) for _ in range(n)]
+    longest = int(rng.choice([60, 120, 180, 250]))
+    prompt_share = [0.5, 0.05, 0.95][i % 3]                           # all response shares
+    prompts = [[1] * max(1, int(rng.integers(1, longest) * prompt_share)) for _ in range(n)]
+    responses = [[2] * int(rng.integers(1, longest - len(p) + 1)) for p in prompts]
     sequences = Sequences(prompts, responses)
-    layout = pack(sequences, range(n), 64)
+    layout = pack_tight(sequences, range(n), 256, 4, shards)
     for rows in micro_batches(layout, sequences, 4, {}, {}, shards=shards):
-      seen.add((rows.tokens.shape[0], rows.scored_slots.shape[0]))
-  assert seen == shapes, (sorted(seen), sorted(shapes))
+      seen.add((rows.tokens.shape[0], rows.tokens.shape[1], rows.scored_slots.shape[0]))
+  assert seen == shapes, (sorted(shapes - seen), sorted(seen - shapes))
+
+
+def test_pack_tight_takes_the_row_length_that_computes_fewest_slots():
+  """Short samples go in short rows, a long one forces long rows, and a choice between
+  one long row and more short ones counts the padding rows of the micro-batches."""
+  from tlt_jax.rl.batching import Sequences, pack_tight, row_counts, row_lengths
+  assert row_lengths(960) == [256, 512, 768, 960] and row_lengths(32) == [32]
+  seqs = lambda lengths: Sequences([[1]] * len(lengths), [[2] * (n - 1) for n in lengths])
+  short = seqs([50, 60, 40, 30])
+  assert pack_tight(short, range(4), 960, 2, 2).seq_len == 256
+  with_long = seqs([50, 60, 700])
+  assert pack_tight(with_long, range(3), 960, 2, 2).seq_len == 768
+  # 3 x 200 slots: one row of 768 (padded to 2 rows: 1536 slots) against 3 rows of 256
+  # (padded to 4: 1024 slots) or 2 of 512 (1024 slots: the shorter rows win the tie).
+  three = seqs([200, 200, 200])
+  layout = pack_tight(three, range(3), 960, 2, 2)
+  assert layout.seq_len == 256
+  assert sum(row_counts(layout.num_rows, 2, 2)) * layout.seq_len == 1024

@@ -7,8 +7,11 @@ scored at slot s + p - 1 + k. Per-token fields (advantages, log-probs, weights) 
 the host per sequence and are scattered into whichever layout a pass uses, so the old and
 reference log-probs computed over one layout serve mini-batches packed another way.
 Micro-batches are `micro_rows` rows; the last is padded to a power of two (and to a
-multiple of the data shards), so the train programs are keyed by a small, known set of row
-counts. Only response slots need the LM head (a fifth of a small model's FLOPs per token),
+multiple of the data shards). A layout's rows are one of four lengths (quarters of the
+longest, `row_lengths`): `pack_tight` takes the one that computes the fewest slots, so a
+step whose trained samples are short does not pay for rows sized to the longest the run
+allows. The train programs are keyed by a small, known set of (row count, row length)
+shapes. Only response slots need the LM head (a fifth of a small model's FLOPs per token),
 so each micro-batch lists them in `scored_slots`, padded to a quarter-step of its slot
 count (`scored_slot_count`). With several data shards (`sharding.data_parallel`) a
 micro-batch's rows split evenly over them, and `scored_slots` holds one equal-sized block
@@ -91,6 +94,32 @@ def pack(sequences: Sequences, indices: Sequence[int], seq_len: int) -> Layout:
   return Layout(tuple(indices), rows, starts, len(placement), seq_len)
 
 
+ROW_LENGTH_MULTIPLE = 64   # a tile multiple on accelerators
+
+
+def row_lengths(seq_len: int) -> list[int]:
+  """The lengths a layout's rows may have: quarters of `seq_len`, rounded up to a multiple
+  of ROW_LENGTH_MULTIPLE, `seq_len` at most."""
+  return sorted({min(seq_len, -(-k * seq_len // 4 // ROW_LENGTH_MULTIPLE) * ROW_LENGTH_MULTIPLE)
+                 for k in range(1, 5)})
+
+
+def pack_tight(sequences: Sequences, indices: Sequence[int], seq_len: int, micro_rows: int,
+               shards: int = 1) -> Layout:
+  """`pack` into rows of whichever of `row_lengths(seq_len)` computes the fewest slots,
+  counting the padding rows `row_counts` adds (ties: the shorter rows, whose attention
+  costs less)."""
+  longest = max((sequences.length(i) for i in indices), default=0)
+  best = None
+  for length in row_lengths(seq_len):
+    if length >= longest:
+      layout = pack(sequences, indices, length)
+      slots = sum(row_counts(layout.num_rows, micro_rows, shards)) * length
+      if best is None or slots < best[0]:
+        best = (slots, layout)
+  return best[1] if best else pack(sequences, indices, seq_len)
+
+
 def response_slots(layout: Layout, sequences: Sequences, k: int) -> np.ndarray:
   """Flat slots (row * seq_len + slot) that score sample k's response tokens."""
   i = layout.indices[k]
@@ -125,15 +154,17 @@ def scored_slot_count(response_slots: int, total_slots: int) -> int:
   return min(total_slots, max(quarter, -(-response_slots // quarter) * quarter))
 
 
-def possible_shapes(micro_rows: int, seq_len: int, shards: int = 1) -> list[tuple[int, int]]:
-  """Every (row count, scored slot count) a micro-batch can have: the train programs'
-  shapes."""
+def possible_shapes(micro_rows: int, seq_len: int, shards: int = 1
+                    ) -> list[tuple[int, int, int]]:
+  """Every (row count, row length, scored slot count) a micro-batch of `pack_tight`'s
+  layouts can have: the train programs' shapes."""
   shapes = set()
   for count in possible_row_counts(micro_rows, shards):
-    total = count // shards * seq_len       # one shard's slots
-    quarter = -(-total // 4)
-    shapes.update((count, shards * scored_slot_count(n, total))
-                  for n in range(0, total + quarter, quarter))
+    for length in row_lengths(seq_len):
+      total = count // shards * length       # one shard's slots
+      quarter = -(-total // 4)
+      shapes.update((count, length, shards * scored_slot_count(n, total))
+                    for n in range(0, total + quarter, quarter))
   return sorted(shapes)
 
 

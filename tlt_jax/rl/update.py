@@ -29,7 +29,7 @@ from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.transformer import Params
 from tlt_jax.rl import logprobs
 from tlt_jax.rl.batching import (Sequences, TrainRows, empty_rows, gather_response_values,
-                                  micro_batches, pack, possible_shapes)
+                                  micro_batches, pack_tight, possible_shapes)
 from tlt_jax.rl.config import LossConfig
 from tlt_jax.rl.logprobs import score_rows
 from tlt_jax.rl.losses import policy_loss, sequence_weights
@@ -189,9 +189,9 @@ def precompile_training(state: PolicyState, ctx: "UpdateContext") -> int:
   grads = zero_grads(state.params, ctx.rules)
   static = dict(config=ctx.config, sampling=ctx.sampling, rules=ctx.rules,
                 compute_dtype=ctx.compute_dtype)
-  for count, scored in possible_shapes(ctx.update.micro_batch_rows, ctx.update.train_seq_len,
-                                       ctx.data_shards):
-    rows = empty_rows(count, ctx.update.train_seq_len, scored)
+  for count, length, scored in possible_shapes(ctx.update.micro_batch_rows,
+                                               ctx.update.train_seq_len, ctx.data_shards):
+    rows = empty_rows(count, length, scored)
     accumulate_grads.lower(state.params, grads, rows, loss=ctx.loss, remat=ctx.update.remat,
                            **static).compile()
     if score:
@@ -254,6 +254,11 @@ class UpdateContext:
     return data_parallel.data_shards(self.rules)
 
 
+def _layout(sequences: Sequences, indices: Sequence[int], ctx: UpdateContext):
+  return pack_tight(sequences, indices, ctx.update.train_seq_len, ctx.update.micro_batch_rows,
+                    ctx.data_shards)
+
+
 def moving_sequences(advantages: np.ndarray, in_loss: np.ndarray, loss: LossConfig
                      ) -> np.ndarray:
   """Which sequences can move the policy: those in the loss with a nonzero advantage, or
@@ -275,7 +280,7 @@ def score_sequences(params: Params, sequences: Sequences, ctx: UpdateContext,
   indices = range(len(sequences)) if indices is None else indices
   if not len(indices):
     return [None] * len(sequences)
-  layout = pack(sequences, indices, ctx.update.train_seq_len)
+  layout = _layout(sequences, indices, ctx)
   values = [score_rows(params, rows, config=ctx.config, sampling=ctx.sampling,
                        rules=ctx.rules, compute_dtype=ctx.compute_dtype)
             for rows in micro_batches(layout, sequences, ctx.update.micro_batch_rows, {}, {},
@@ -313,7 +318,7 @@ def minibatch_grads(params: Params, sequences: Sequences, mini_batch: Sequence[i
                                          ctx.max_response_len)
   computed = [i for i in mini_batch if trained[i]]
   tokens = max(int(masked_lengths[computed].sum()), 1)
-  layout = pack(sequences, computed, ctx.update.train_seq_len)
+  layout = _layout(sequences, computed, ctx)
   grads = zero_grads(params, ctx.rules)
   sums: list[dict[str, jax.Array]] = []
   filled = slots = 0
