@@ -27,10 +27,13 @@ ONLINE = ("--eval_every=0", "--num_val=0", "--sd_threshold=1", "--sd_patience=10
 def test_the_first_replica_trains_the_drafter_while_the_straggler_decodes(
     tiny_hf_dirs, drafter_dir, tmp_path, compile_cache):  # noqa: F811 - the fixture
   run_dir = str(tmp_path / "run")
+  # With validation at step 0: its answers are the first data a replica's buffer holds.
+  online = (*ONLINE, "--num_val=2", "--eval_every=2", "--drafter_replay_steps=2")
   proc = run_cli(run_dir, tiny_hf_dirs["qwen2"], "--steps=2", f"--drafter={drafter_dir}",
-                 *ONLINE, env_extra={"TLT_JAX_STRAGGLER": "1:5.0"}, cache=compile_cache)
+                 *online, env_extra={"TLT_JAX_STRAGGLER": "1:5.0"}, cache=compile_cache)
   records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-  assert [r["step"] for r in records] == [1, 2], proc.stderr[-3000:]
+  assert [r["step"] for r in records] == [0, 1, 2], proc.stderr[-3000:]
+  records = records[1:]
   assert all(r["drafter/replicas_identical"] == 1 for r in records)
   # Step 1 compiles, each replica at its own pace; by step 2 replica 1's 5 s decide: process
   # 0 (whose metrics these are) finished first and trained until replica 1's increment
@@ -55,13 +58,17 @@ def test_the_first_replica_trains_the_drafter_while_the_straggler_decodes(
   # Resume: each replica continues its own drafter checkpoint of step 2 (the candidate's
   # optimizer step count goes on from step 2's instead of starting over).
   for replica in (0, 1):
-    assert os.listdir(os.path.join(run_dir, "drafter", f"replica_{replica}")) == [
-        "step_00000002"]
+    saved = os.path.join(run_dir, "drafter", f"replica_{replica}")
+    assert os.listdir(saved) == ["step_00000002"]
+    # Each replica buffered its own validation answer of step 0, and step 2's.
+    with open(os.path.join(saved, "step_00000002", "buffer.json")) as f:
+      added = json.load(f)["added"]
+    assert added["0"] == 1 and added["2"] >= 1, added
   # What SD learned is kept per replica (each replica's bandit sees its own rollouts).
   with open(os.path.join(run_dir, "checkpoints", "2", "meta", "metadata")) as f:
     assert len(json.load(f)["spec"]) == 2
   proc = run_cli(run_dir, tiny_hf_dirs["qwen2"], "--steps=3", "--resume=auto",
-                 f"--drafter={drafter_dir}", *ONLINE, env_extra={"TLT_JAX_STRAGGLER": "1:5.0"},
+                 f"--drafter={drafter_dir}", *online, env_extra={"TLT_JAX_STRAGGLER": "1:5.0"},
                  cache=compile_cache)
   assert "resumed" in proc.stderr
   resumed = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][-1]

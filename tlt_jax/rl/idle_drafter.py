@@ -102,13 +102,17 @@ class IdleDrafter:
     done; its metrics are reported at the step end."""
     self.round_metrics.append(self._idle_round(step, draw, rollouts, target_params))
 
+  def observe(self, step: int, rollouts: GroupRollouts) -> None:
+    """This replica's responses and their hidden states into its buffer, as `step`'s."""
+    self.spot.observe(step, zip(rollouts.prompts, rollouts.responses, rollouts.hidden_states))
+
   def _idle_round(self, step: int, draw: int, rollouts: GroupRollouts,
                   target_params: Params) -> dict[str, Any]:
     round_id = step * ROUNDS_PER_STEP + draw
     self.rounds.append(round_id)
     time.sleep(self.extra_tail_s)
     finished = time.perf_counter()
-    self.spot.observe(step, zip(rollouts.prompts, rollouts.responses, rollouts.hidden_states))
+    self.observe(step, rollouts)
     self.control.set_state(round_id, ReplicaState.IDLE)
     if self.control.finish_rollout(round_id) == self.control.num_replicas:
       return {"drafter/idle_device_s_available": 0.0, "drafter/idle_device_s_used": 0.0}

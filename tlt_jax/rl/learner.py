@@ -187,14 +187,14 @@ class Learner:
                          for d, g in picked.groups])
 
   def sample_and_score(self, items: list, settings: RolloutSettings, seed: int,
-                       idle_round: tuple[int, int] | None = None
-                       ) -> tuple[ScoredGroups, dict[str, Any]]:
+                       idle_round: tuple[int, int] | None = None,
+                       buffer_step: int | None = None) -> tuple[ScoredGroups, dict[str, Any]]:
     """This replica's block of `items` sampled and scored, then every replica's block
     gathered (`replicas.gather_scored`): all of `items`, scored, on every process. Also
     returns this replica's rollout and reward seconds, the gather's wait and each replica's
     rollout seconds. With an online drafter, a replica done before the others trains it
     until they are (`idle_round`: the step and its draw; its metrics come at the step
-    end)."""
+    end), or only buffers this replica's responses as step `buffer_step`'s."""
     mine = items[self.replicas.block(len(items))]
     t = time.perf_counter()
     rollouts = sample_groups(self.rollout_params, self.config, [i.prompt_ids for i in mine],
@@ -206,6 +206,8 @@ class Learner:
     reward_s = time.perf_counter() - t
     if self.idle_drafter is not None and idle_round is not None:
       self.idle_drafter.while_idle(*idle_round, rollouts, self.rollout_params)
+    elif self.idle_drafter is not None and buffer_step is not None:
+      self.idle_drafter.observe(buffer_step, rollouts)
     t = time.perf_counter()
     scored, per_replica = gather_scored(
         local, items, self.replicas, settings.group_size, settings.max_new_tokens,
@@ -263,10 +265,12 @@ class Learner:
 
   def evaluate(self, val_items: Sequence, step: int) -> dict[str, float]:
     """Greedy answers to the held-out prompts: `val/reward`, `val/accuracy`, and both per
-    data source (`val/accuracy/<source>`)."""
-    settings = dataclasses.replace(self.rollout, group_size=1, sampling=SamplingParams(0.0),
-                                   capture_hidden=False)
-    scored, _ = self.sample_and_score(list(val_items), settings, seed=step)
+    data source (`val/accuracy/<source>`). With an online drafter each replica's answers,
+    the current policy's with hidden states already computed, go to its drafter's buffer
+    as step `step`'s: what step 1's idle replica replays, before any step has rolled out
+    (a drafter never changes what the policy emits, so the answers stay a fair test)."""
+    settings = dataclasses.replace(self.rollout, group_size=1, sampling=SamplingParams(0.0))
+    scored, _ = self.sample_and_score(list(val_items), settings, seed=step, buffer_step=step)
     metrics = {"val/reward": float(scored.rewards.mean()),
                "val/accuracy": float(scored.accuracy.mean()),
                "val/prompts": len(val_items)}
