@@ -398,8 +398,9 @@ def run_checks(histories: dict[str, Any], rows: Sequence[dict[str, Any]], tail_r
   elif tail["share_median"] is None:
     checks["speed_skipped"] = f"no {twin} step where process 0 was the slowest replica"
   else:
+    bounds = ablation_checks.step_bounds(h[best], h[twin], tail_rows, sd_speedup)
     checks["speed"] = {c: ablation_checks.speed(h[best], h[c], tail["share_median"],
-                                                sd_speedup, structure) for c in learned}
+                                                sd_speedup, structure, bounds) for c in learned}
   return checks
 
 
@@ -484,7 +485,9 @@ def _speed_lines(checks: dict[str, Any], verdict) -> list[str]:
                  f"{_num(c['ratio_paired_median'], '.2f')} (ratio of the medians "
                  f"{_num(c['ratio_of_medians'], '.2f')}) against the bound "
                  f"{c['bound_ratio']:.2f} = r x (1 - f + f / s), r {c['structure_ratio']:.2f}, "
-                 f"SD speedup at the tail's batch s {c['sd_speedup_at_tail']:.2f}: "
+                 f"SD speedup at the tail's batch s {c['sd_speedup_at_tail']:.2f}; paired "
+                 f"by step (each step's own r and f, steps {c['bounded_steps']}): "
+                 f"{_num(c['over_step_bound_median'], '.2f')} of its bound, median: "
                  f"{verdict(c)} (within 10%)")
   return lines
 

@@ -17,7 +17,8 @@ beside its table): each returns the figures it judged by and whether the goal ho
   update's padding gone (`train/fill`);
 - speed: a drafting config's step time over the faster baseline's against the bound from
   the two-process baseline's tail share, the SD speedup measured at the tail's batch and
-  (when one process is faster) what two processes cost against one.
+  (when one process is faster) what two processes cost against one, paired by step
+  (`step_bounds`).
 """
 from __future__ import annotations
 
@@ -174,17 +175,32 @@ def tail_seconds(record: dict[str, Any], tail_rows: int) -> float | None:
   return trace[-1][0] - next(t for t, live in trace if live <= tail_rows)
 
 
-def tail_share(history: Records, tail_rows: int) -> dict[str, Any]:
-  """The share of a step the slowest replica spends with <= tail_rows live rows: process
-  0's trace (`tail_seconds`), over the steps where it was the slowest."""
-  shares = []
-  for r in _steps(history).values():
+def step_tail_shares(history: Records, tail_rows: int) -> dict[int, float]:
+  """Per step, the share the slowest replica spends with <= tail_rows live rows: process
+  0's trace (`tail_seconds`), on the steps where it was the slowest."""
+  shares = {}
+  for step, r in _steps(history).items():
     tail, per_replica = tail_seconds(r, tail_rows), r.get("rollout/replica_s", [0])
-    if tail is None or per_replica[0] < max(per_replica):
-      continue
-    shares.append(tail / r["timing/step_s"])
-  return {"steps_used": len(shares),
-          "share_median": median(shares)}
+    if tail is not None and per_replica[0] >= max(per_replica):
+      shares[step] = tail / r["timing/step_s"]
+  return shares
+
+
+def tail_share(history: Records, tail_rows: int) -> dict[str, Any]:
+  """The median of `step_tail_shares`, and how many steps it is over."""
+  shares = list(step_tail_shares(history, tail_rows).values())
+  return {"steps_used": len(shares), "share_median": median(shares)}
+
+
+def step_bounds(best: Records, twin: Records, tail_rows: int, sd_speedup: float
+                ) -> dict[int, float]:
+  """Each step's own bound r x (1 - f + f / s): r the two-process baseline `twin`'s step
+  over the faster baseline `best`'s (1 when they are one), f `twin`'s tail share of that
+  step (`step_tail_shares`). Steps differ: one whose rows all end early has no tail for SD
+  to win, so its bound is r."""
+  a, b = _steps(best), _steps(twin)
+  return {s: b[s]["timing/step_s"] / a[s]["timing/step_s"] * (1 - f + f / sd_speedup)
+          for s, f in step_tail_shares(twin, tail_rows).items() if s in a}
 
 
 def step_ratio(baseline: Records, other: Records) -> dict[str, Any]:
@@ -201,15 +217,23 @@ def step_ratio(baseline: Records, other: Records) -> dict[str, Any]:
 
 
 def speed(baseline: Records, other: Records, tail: float, sd_speedup: float,
-          structure: float = 1.0) -> dict[str, Any]:
+          structure: float = 1.0, bounds: dict[int, float] | None = None) -> dict[str, Any]:
   """`other`'s step time over `baseline`'s (`step_ratio`) against the bound structure x
   (1 - tail + tail / sd_speedup): Amdahl over the tail SD speeds up, times what the
   drafting configs' process layout costs against `baseline`'s (1 when they share it).
-  Under sampling the configs draw other responses, so a step's time also carries its
-  lengths: pair at T=0 for a clean figure."""
+  With `bounds` (`step_bounds`) the verdict pairs by step: the median over the steps that
+  have one of each step's ratio over its own bound (a median of per-step ratios against
+  a bound from medians mixes steps with and without a tail). Under sampling the configs
+  draw other responses, so a step's time also carries its lengths: pair at T=0 for a
+  clean figure."""
   ratios = step_ratio(baseline, other)
   bound = structure * (1 - tail + tail / sd_speedup)
   paired = ratios["ratio_paired_median"]
+  a, b = _steps(baseline), _steps(other)
+  steps = [s for s in ratios["steps"] if s in (bounds or {})]
+  over = median([b[s]["timing/step_s"] / a[s]["timing/step_s"] / bounds[s] for s in steps])
+  judged = over if over is not None else (paired / bound if paired is not None else None)
   return {**ratios, "tail_share": tail, "sd_speedup_at_tail": sd_speedup,
           "structure_ratio": structure, "bound_ratio": bound,
-          "holds": paired is not None and paired <= SPEED_SLACK * bound}
+          "bounded_steps": steps, "over_step_bound_median": over,
+          "holds": judged is not None and judged <= SPEED_SLACK}

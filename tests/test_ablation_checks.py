@@ -132,3 +132,31 @@ def test_speed_against_the_amdahl_bound():
   assert slower["bound_ratio"] == pytest.approx(1.125) and slower["holds"]
   one = checks.speed(base[:1], other[:1], tail=0.5, sd_speedup=0.8)   # one step: kept
   assert one["steps"] == [1] and one["ratio_of_medians"] == pytest.approx(1.8)
+
+
+def test_speed_paired_by_step_against_each_steps_own_bound():
+  """A step without a tail (f = 0) is bounded by r alone, one with a long tail by much
+  less: the median of per-step ratios against one bound from medians would judge the
+  steps together; `step_bounds` gives each its own, on the steps process 0's trace
+  measures f (it was the slowest)."""
+  traced = lambda s, step_s, trace, replicas: _step(s, **{
+      "timing/step_s": step_s, "rollout/live_rows_trace": trace, "rollout/replica_s": replicas})
+  twin = [traced(1, 90.0, [[1, 4], [2, 0]], [2.0, 1.0]),
+          traced(2, 20.0, [[1, 4], [2, 0]], [2.0, 1.0]),               # f = 0
+          traced(3, 20.0, [[1, 4], [2, 2], [12, 0]], [12.0, 1.0]),     # f = 10 / 20
+          traced(4, 20.0, [[1, 4], [2, 2], [12, 0]], [1.0, 12.0])]     # process 1 slowest
+  best = [_step(s, **{"timing/step_s": t}) for s, t in ((1, 60.0), (2, 10.0), (3, 10.0),
+                                                        (4, 10.0))]
+  bounds = checks.step_bounds(best, twin, tail_rows=2, sd_speedup=2.0)
+  assert bounds == {1: pytest.approx(1.5), 2: pytest.approx(2.0), 3: pytest.approx(1.5)}
+  other = [_step(s, **{"timing/step_s": t}) for s, t in ((1, 99.0), (2, 21.0), (3, 16.5),
+                                                         (4, 30.0))]
+  result = checks.speed(best, other, tail=0.5, sd_speedup=2.0, structure=2.0, bounds=bounds)
+  assert result["bounded_steps"] == [2, 3]                  # step 1 compiles; 4 has no f
+  assert result["over_step_bound_median"] == pytest.approx((1.05 + 1.1) / 2)
+  assert result["holds"]
+  # Against the one bound from medians (1.5) the per-step median (2.1, 1.65, 3.0) misses.
+  assert result["ratio_paired_median"] == pytest.approx(2.1)
+  assert not checks.speed(best, other, tail=0.5, sd_speedup=2.0, structure=2.0)["holds"]
+  same = checks.step_bounds(twin, twin, tail_rows=2, sd_speedup=2.0)     # r = 1
+  assert same[3] == pytest.approx(0.75)
