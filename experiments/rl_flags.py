@@ -92,7 +92,8 @@ _REMAT = flags.DEFINE_bool("remat", False, "Recompute layer activations in the b
 _SKIP_ZERO_ADV = flags.DEFINE_bool("skip_zero_advantage", True, "Leave out of the update the "
                                    "sequences whose gradient is exactly zero (zero "
                                    "advantage, no KL or entropy term): the same step, less "
-                                   "compute; actor/* metrics then cover the tokens trained.")
+                                   "compute; per-token metrics (entropy, clip fractions) then "
+                                   "cover the tokens trained.")
 _LR = flags.DEFINE_float("lr", 1e-6, "Peak learning rate (AdamW).")
 _LR_SCHEDULE = flags.DEFINE_string("lr_schedule", "constant", "constant | cosine (after "
                                    "warm-up).")
@@ -186,8 +187,10 @@ class Run:
 
   def check_resumable(self, meta: dict[str, Any]) -> None:
     saved, now = meta.get("flags", {}), run_flags()
+    # A flag newer than the checkpoint ran at its default.
+    defaults = {name: flags.FLAGS[name].default for name in now}
     for name in sorted(saved.keys() | now.keys()):
-      if name not in RESUMABLE_CHANGES and saved.get(name) != now.get(name):
+      if name not in RESUMABLE_CHANGES and saved.get(name, defaults.get(name)) != now.get(name):
         raise UserInputError(f"--{name}={now.get(name)!r}: the checkpoint was trained with "
                              f"{saved.get(name)!r}; resume with the same flag")
 

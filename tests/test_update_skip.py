@@ -51,7 +51,8 @@ def test_a_step_of_tied_groups_computes_nothing_and_still_steps_the_optimizer():
   skipped, metrics = _update(np.zeros(N), True, adamw)
   full, full_metrics = _update(np.zeros(N), False, adamw)
   assert metrics["train/skipped_sequences"] == N and metrics["train/micro_batches"] == 0
-  assert "train/fill" not in metrics and "actor/loss" not in metrics
+  assert "train/fill" not in metrics and "actor/entropy" not in metrics
+  assert metrics["actor/loss"] == 0.0
   assert full_metrics["train/skipped_sequences"] == 0 and full_metrics["train/micro_batches"] > 0
   assert int(skipped.step) == int(full.step) == 1
   for a, b in zip(jax.tree.leaves(skipped.params), jax.tree.leaves(full.params)):

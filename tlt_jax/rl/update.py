@@ -209,8 +209,8 @@ class UpdateConfig:
   `num_mini_batches` optimizer steps, each accumulated over micro-batches of
   `micro_batch_rows` packed rows of `train_seq_len` slots. `skip_zero_advantage` leaves
   out of the forward and backward the sequences whose gradient is exactly zero
-  (`moving_sequences`): the same step, less compute; the actor/* metrics are then over the
-  tokens trained."""
+  (`moving_sequences`): the same step, less compute; the per-token metrics (entropy, clip
+  fractions, ratios) are then over the tokens trained."""
   ppo_epochs: int = 1
   num_mini_batches: int = 1
   micro_batch_rows: int = 8
@@ -290,10 +290,11 @@ def score_sequences(params: Params, sequences: Sequences, ctx: UpdateContext,
 
 def logprob_gap(trainer_logp: Sequence[np.ndarray], rollout_logp: Sequence[np.ndarray],
                 in_loss: np.ndarray) -> dict[str, float]:
-  """`rollout/logprob_diff_{mean,max}` over the tokens of sequences in the loss."""
+  """`rollout/logprob_diff_{mean,max}` over the tokens of sequences in the loss (none
+  without such a sequence)."""
   diffs = [np.abs(a - b) for a, b, keep in zip(trainer_logp, rollout_logp, in_loss) if keep]
   if not diffs:
-    return {"rollout/logprob_diff_mean": 0.0, "rollout/logprob_diff_max": 0.0}
+    return {}
   flat = np.concatenate(diffs)
   return {"rollout/logprob_diff_mean": float(flat.mean()),
           "rollout/logprob_diff_max": float(flat.max())}
@@ -333,7 +334,9 @@ def minibatch_grads(params: Params, sequences: Sequences, mini_batch: Sequence[i
     sums.append(micro_metrics)
     filled, slots = filled + int(np.count_nonzero(rows.segment_ids)), slots + rows.tokens.size
   sums = jax.device_get(sums)
-  merged = {k: (max if _is_max(k) else sum)(m[k] for m in sums) for k in sums[0]} if sums else {}
+  # With every sequence skipped the loss is exactly 0; the other sums have no token.
+  merged = ({k: (max if _is_max(k) else sum)(m[k] for m in sums) for k in sums[0]} if sums
+            else {"actor/loss": 0.0, "actor/pg_loss": 0.0})
   merged["train/micro_batches"] = len(sums)
   merged["train/rows"] = layout.num_rows
   merged["train/token_slots"], merged["train/slots"] = filled, slots   # the rest is padding
